@@ -1,0 +1,5 @@
+import sys
+
+from belay.cli import main
+
+sys.exit(main())

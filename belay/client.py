@@ -1,0 +1,524 @@
+"""The belay client: enqueue, read, signal, steer, cancel, retry, await results.
+
+A :class:`Belay` owns a lazily opened connection pool (never carried across
+``fork()``: a child process opens its own). Every call can instead run on a
+caller's psycopg connection (``conn=``), inside the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+import psycopg
+from psycopg import conninfo as pg_conninfo
+from psycopg.pq import TransactionStatus
+from psycopg_pool import ConnectionPool
+
+from belay import names, schema, store
+from belay.clock import Clock, SystemClock
+from belay.codec import dumps_object
+from belay.enqueue import JobSpec, Row, Unique, build_row, spec_from
+from belay.errors import (
+    ConfigurationError,
+    JobCancelled,
+    JobFailed,
+    JobNotFound,
+    NotRetryable,
+    ValidationError,
+)
+from belay.job import STATES, Event, Job, Step, WorkflowStatus
+from belay.notify import ResultListener
+
+Conn = psycopg.Connection[Any]
+CancelStatus = Literal["cancelled", "requested", "noop"]
+
+_SCHEMES = ("postgresql://", "postgres://")
+
+
+def normalize_url(url: str) -> str:
+    """Check a database URL and return the conninfo psycopg takes.
+
+    Accepts ``postgresql://`` / ``postgres://`` URLs (``postgresql+psycopg://``
+    too, as SQLAlchemy spells it) and libpq key=value strings.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigurationError("a database URL is required, e.g. postgresql://user@host/db")
+    url = url.strip()
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        base, _, driver = scheme.partition("+")
+        if base not in ("postgresql", "postgres") or driver not in ("", "psycopg"):
+            raise ConfigurationError(
+                f"unsupported database URL scheme {scheme!r}: belay needs "
+                "postgresql://user:password@host:port/dbname"
+            )
+        url = f"postgresql://{rest}"
+    try:
+        pg_conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(f"invalid database URL: {exc}") from None
+    return url
+
+
+class Belay:
+    """One belay instance: a database, a clock and a connection pool.
+
+    ``url`` is a PostgreSQL URL. ``clock`` supplies "now" (contract §2).
+    ``notify`` sends ``pg_notify`` wake-ups with enqueues and wakes (§9.2).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Clock | None = None,
+        notify: bool = True,
+        min_pool_size: int = 1,
+        max_pool_size: int = 10,
+        verify_schema: bool = True,
+        application_name: str = "belay",
+    ) -> None:
+        self.conninfo = normalize_url(url)
+        if min_pool_size < 0 or max_pool_size < max(1, min_pool_size):
+            raise ConfigurationError(
+                f"pool sizes must satisfy 0 <= min_pool_size <= max_pool_size and "
+                f"max_pool_size >= 1; got {min_pool_size} and {max_pool_size}"
+            )
+        self.clock: Clock = clock or SystemClock()
+        self.notify = notify
+        self._pool_sizes = (min_pool_size, max_pool_size)
+        self._application_name = application_name
+        self._verify = verify_schema
+        self._verified = False
+        self._channel: str | None = None
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool | None = None
+        self._listener: ResultListener | None = None
+        self._pid = os.getpid()
+
+    # -- Connections -------------------------------------------------------------
+
+    def _own_pool(self) -> ConnectionPool:
+        with self._lock:
+            if self._pid != os.getpid():
+                # Forked: the parent's pool and listener belong to the parent.
+                # Drop them unclosed (closing would talk on the parent's sockets).
+                self._pool, self._listener, self._pid = None, None, os.getpid()
+            if self._pool is None:
+                low, high = self._pool_sizes
+                pool = ConnectionPool(
+                    self.conninfo,
+                    min_size=low,
+                    max_size=high,
+                    kwargs={"autocommit": True, "application_name": self._application_name},
+                    name="belay",
+                    open=False,
+                )
+                pool.open(wait=False)
+                self._pool = pool
+            return self._pool
+
+    @contextmanager
+    def _acquire(self, conn: Conn | None) -> Iterator[Conn]:
+        if conn is None:
+            with self._own_pool().connection() as own:
+                yield own
+            return
+        if conn.info.transaction_status == TransactionStatus.INERROR:
+            raise ValidationError(
+                "the connection's transaction has failed; roll it back before using belay on it"
+            )
+        yield conn
+
+    @contextmanager
+    def connection(self, conn: Conn | None = None) -> Iterator[Conn]:
+        """A connection for a read: the caller's, or one from the pool."""
+        with self._acquire(conn) as active:
+            self._verify_once(active)
+            yield active
+
+    @contextmanager
+    def transaction(self, conn: Conn | None = None) -> Iterator[Conn]:
+        """A connection inside a transaction.
+
+        On a caller's connection already in a transaction, that transaction is
+        used as is (advisory locks and pokes then last until *it* commits); an
+        idle caller connection gets a transaction of its own.
+        """
+        with self._acquire(conn) as active:
+            if active.info.transaction_status == TransactionStatus.INTRANS:
+                self._verify_once(active)
+                yield active
+            else:
+                with active.transaction():
+                    self._verify_once(active)
+                    yield active
+
+    def _verify_once(self, conn: Conn) -> None:
+        if self._verified or not self._verify:
+            return
+        schema.check(conn)
+        self._verified = True
+
+    def _channel_for(self, conn: Conn) -> str:
+        return names.notify_channel(conn.info.dbname)
+
+    def _poke(self, conn: Conn, queues: Iterable[str], results: Iterable[int] = ()) -> None:
+        if not self.notify:
+            return
+        payloads = [store.poke_payload(q) for q in queues]
+        payloads += [store.result_payload(i) for i in results]
+        store.notify(conn, self._channel_for(conn), payloads)
+
+    def close(self) -> None:
+        """Close the pool and stop the result listener; idempotent."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            listener, self._listener = self._listener, None
+            mine = self._pid == os.getpid()
+        if listener is not None and mine:
+            listener.stop()
+        if pool is not None and mine:
+            pool.close()
+
+    def __enter__(self) -> Belay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def now(self) -> datetime:
+        return self.clock.now()
+
+    # -- Schema ------------------------------------------------------------------
+
+    def migrate(self) -> list[int]:
+        """Apply pending migrations; returns the revisions applied."""
+        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+            applied = schema.migrate(conn)
+        self._verified = False
+        return applied
+
+    def check_schema(self) -> schema.SchemaStatus:
+        """Raise a SchemaError (saying what to do) unless belay can run here."""
+        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+            return schema.check(conn)
+
+    # -- Enqueue (§5) --------------------------------------------------------------
+
+    def enqueue(
+        self,
+        kind: Any,
+        input: Mapping[str, Any] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: float | timedelta | None = None,
+        run_at: datetime | None = None,
+        max_attempts: int | None = None,
+        unique: str | Unique | Mapping[str, Any] | None = None,
+        budget: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        partition_key: str | None = None,
+        conn: Conn | None = None,
+    ) -> Job:
+        """Insert one job; with a ``unique`` key already held, return the holder
+        flagged ``duplicate=True`` instead (§5.2)."""
+        spec = JobSpec(kind, input, queue, priority, delay, run_at, max_attempts, unique,
+                       budget, meta, partition_key)
+        return self.enqueue_many([spec], conn=conn)[0]
+
+    def enqueue_many(
+        self, jobs: Iterable[JobSpec | Mapping[str, Any]], *, conn: Conn | None = None
+    ) -> list[Job]:
+        """Insert many jobs in one statement. Returns one Job per request, in
+        order: the inserted row, or the holder of its unique key with
+        ``duplicate=True``. Every request is validated before anything is written.
+        """
+        now = self.clock.now()
+        rows = [build_row(spec_from(item), now) for item in jobs]
+        if not rows:
+            return []
+        with self.transaction(conn) as active:
+            results = self._insert(active, rows, now)
+            self._poke(active, {job.queue for job in results if not job.duplicate})
+        return results
+
+    def _insert(self, conn: Conn, rows: Sequence[Row], now: datetime) -> list[Job]:
+        pending = list(range(len(rows)))
+        results: list[Job | None] = [None] * len(rows)
+        # An `incomplete` holder can finish between the skipped insert and the
+        # holder lookup; then the key is free again and the row is retried.
+        for _ in range(3):
+            inserted = store.insert_jobs(conn, [rows[i] for i in pending], now)
+            skipped = _match_inserted(rows, pending, inserted, results)
+            if not skipped:
+                break
+            holders = store.holders_by_unique_key(
+                conn, [k for i in skipped if (k := rows[i].unique_key) is not None]
+            )
+            slots = store.holders_by_cron_slot(
+                conn,
+                [(c, s) for i in skipped
+                 if (c := rows[i].cron_name) is not None and (s := rows[i].cron_slot) is not None],
+            )
+            pending = []
+            for i in skipped:
+                row = rows[i]
+                holder = (holders.get(row.unique_key) if row.unique_key is not None
+                          else slots.get((row.cron_name, row.cron_slot)))  # type: ignore[arg-type]
+                if holder is None or (row.unique_mode == "incomplete" and holder.terminal):
+                    pending.append(i)
+                else:
+                    results[i] = holder
+            if not pending:
+                break
+        missing = [i for i, job in enumerate(results) if job is None]
+        if missing:
+            raise ValidationError(
+                f"job(s) at position {missing} conflicted with a row that then disappeared; "
+                "enqueue them again"
+            )
+        return [job for job in results if job is not None]
+
+    # -- Reads -------------------------------------------------------------------
+
+    def get_job(self, job_id: int, *, conn: Conn | None = None) -> Job | None:
+        """The job with this id, or None."""
+        with self.connection(conn) as active:
+            return store.get_job(active, _job_id(job_id))
+
+    def list_jobs(
+        self,
+        *,
+        queue: str | None = None,
+        state: str | None = None,
+        kind: Any = None,
+        workflow_id: str | None = None,
+        parent_id: int | None = None,
+        before_id: int | None = None,
+        limit: int = 50,
+        conn: Conn | None = None,
+    ) -> list[Job]:
+        """Jobs newest first, filtered; page with ``before_id=<last id seen>``."""
+        if state is not None and state not in STATES:
+            raise ValidationError(f"unknown state {state!r}; states are {', '.join(STATES)}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise ValidationError(f"limit must be an integer from 1 to 10000, got {limit!r}")
+        if kind is not None and not isinstance(kind, str):
+            kind = getattr(kind, "kind", kind)
+        where = store.JobFilter(queue, state, kind, workflow_id, parent_id, before_id, limit)
+        with self.connection(conn) as active:
+            return store.list_jobs(active, where)
+
+    def steps(self, job_id: int, *, conn: Conn | None = None) -> list[Step]:
+        """A job's step journal in order, with decoded values and costs."""
+        with self.connection(conn) as active:
+            return store.list_steps(active, _job_id(job_id))
+
+    def events(self, job_id: int, after: int = 0, *, conn: Conn | None = None) -> list[Event]:
+        """A job's event stream after sequence number ``after`` (0: from the start)."""
+        with self.connection(conn) as active:
+            return store.list_events(active, _job_id(job_id), after)
+
+    def workflow_status(self, workflow_id: str, *, conn: Conn | None = None) -> WorkflowStatus:
+        with self.connection(conn) as active:
+            return WorkflowStatus(workflow_id, store.workflow_jobs(active, workflow_id))
+
+    def stats(self, *, conn: Conn | None = None) -> dict[str, dict[str, int]]:
+        """Job counts per queue, per state."""
+        with self.connection(conn) as active:
+            rows = store.queue_stats(active)
+        out: dict[str, dict[str, int]] = {}
+        for row in rows:
+            out.setdefault(row["queue"], {})[row["state"]] = row["count"]
+        return out
+
+    # -- Signals and steering (§8.1) ------------------------------------------------
+
+    def signal(
+        self,
+        scope: str,
+        name: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        conn: Conn | None = None,
+    ) -> list[int]:
+        """Deliver a durable signal to a scope; returns the ids of the jobs it woke."""
+        _check_signal_name(name)
+        return self._deliver(scope, name, payload, conn)
+
+    def signal_job(
+        self,
+        job_id: int,
+        name: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        conn: Conn | None = None,
+    ) -> list[int]:
+        """Deliver a signal to one job (scope ``job:<id>``)."""
+        _check_signal_name(name)
+        return self._deliver(names.job_scope(_job_id(job_id)), name, payload, conn)
+
+    def steer_job(
+        self, job_id: int, payload: Mapping[str, Any], *, conn: Conn | None = None
+    ) -> list[int]:
+        """Leave steering guidance for a job; its next ``ctx.steering()`` reads it."""
+        return self._deliver(names.job_scope(_job_id(job_id)), names.STEER, payload, conn)
+
+    def clear_signal(self, scope: str, name: str, *, conn: Conn | None = None) -> bool:
+        """Delete a delivered signal; True when there was one."""
+        _check_scope(scope)
+        with self.transaction(conn) as active:
+            return store.clear_signal(active, scope, name)
+
+    def _deliver(
+        self, scope: str, name: str, payload: Mapping[str, Any] | None, conn: Conn | None
+    ) -> list[int]:
+        _check_scope(scope)
+        body = dumps_object(payload if payload is not None else {}, what="signal payload")
+        with self.transaction(conn) as active:
+            woken = store.deliver_signal(active, scope, name, body.decode(), self.clock.now())
+            self._poke(active, {queue for _, queue in woken})
+        return [job_id for job_id, _ in woken]
+
+    # -- Cancel and retry (§8.6) -------------------------------------------------
+
+    def cancel_job(self, job_id: int, *, conn: Conn | None = None) -> CancelStatus:
+        """Cancel a job: ``"cancelled"`` at once when parked or held,
+        ``"requested"`` when running (it stops at its next step boundary),
+        ``"noop"`` when it had already finished."""
+        with self.transaction(conn) as active:
+            outcome = store.cancel_job(active, _job_id(job_id), self.clock.now())
+            if outcome is None:
+                raise JobNotFound(job_id)
+            finished = [outcome.job.id] if outcome.status == "cancelled" else []
+            self._poke(
+                active,
+                {queue for _, queue in outcome.settled.ready},
+                finished + outcome.settled.cancelled,
+            )
+        return outcome.status  # type: ignore[return-value]
+
+    def retry_job(self, job_id: int, *, conn: Conn | None = None) -> Job:
+        """Run a failed or cancelled job again (one more attempt if it had used them all)."""
+        with self.transaction(conn) as active:
+            outcome = store.retry_job(active, _job_id(job_id), self.clock.now())
+            if outcome is None:
+                raise JobNotFound(job_id)
+            if isinstance(outcome, str):
+                raise NotRetryable(job_id, outcome)
+            self._poke(
+                active, {queue for _, queue in outcome.settled.ready}, outcome.settled.cancelled
+            )
+        return outcome.job
+
+    # -- Results -------------------------------------------------------------------
+
+    def await_result(self, job_id: int, timeout: float | None = None) -> Any:
+        """Wait for a job to finish and return its decoded result.
+
+        Raises :class:`JobFailed` or :class:`JobCancelled` when it ends that
+        way, :class:`TimeoutError` after ``timeout`` seconds (None: no limit).
+        Re-reads the job on a 5 ms → 200 ms backoff; a result notification
+        (§9.2) cuts the wait short.
+        """
+        job_id = _job_id(job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        listener = self._result_listener()
+        wake = listener.watch(job_id) if listener is not None else None
+        interval = 0.005
+        try:
+            while True:
+                job = self.get_job(job_id)
+                if job is None:
+                    raise JobNotFound(job_id)
+                if job.state == "succeeded":
+                    return job.result
+                if job.state == "failed":
+                    raise JobFailed(job)
+                if job.state == "cancelled":
+                    raise JobCancelled(job)
+                wait = interval
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(
+                            f"job {job_id} is still {job.state} after {timeout} s"
+                        )
+                    wait = min(wait, remaining)
+                if wake is not None:
+                    wake.wait(wait)
+                    wake.clear()
+                else:
+                    time.sleep(wait)
+                interval = min(interval * 2, 0.2)
+        finally:
+            if listener is not None and wake is not None:
+                listener.unwatch(job_id, wake)
+
+    def _result_listener(self) -> ResultListener | None:
+        if not self.notify:
+            return None
+        pool = self._own_pool()  # also resets state after a fork
+        with self._lock:
+            if self._listener is None:
+                with pool.connection() as conn:
+                    channel = self._channel_for(conn)
+                self._listener = ResultListener(self.conninfo, channel)
+                self._listener.start()
+            return self._listener
+
+
+def _job_id(job_id: Any) -> int:
+    if isinstance(job_id, bool) or not isinstance(job_id, int):
+        raise ValidationError(f"a job id is an integer, got {job_id!r}")
+    return job_id
+
+
+def _check_scope(scope: Any) -> None:
+    if not isinstance(scope, str) or not scope:
+        raise ValidationError(f"a signal scope is a non-empty string like 'job:42', got {scope!r}")
+
+
+def _check_signal_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValidationError(f"a signal name is a non-empty string, got {name!r}")
+    if name.startswith(names.RESERVED_PREFIX):
+        raise ValidationError(
+            f"signal names starting with '$' are reserved for belay ({name!r}); "
+            "use steer_job() for steering"
+        )
+
+
+def _match_inserted(
+    rows: Sequence[Row], pending: list[int], inserted: list[Job], results: list[Job | None]
+) -> list[int]:
+    """Pair inserted jobs with the requests they came from; returns the skipped ones.
+
+    Inserted rows are an in-order subsequence of the pending requests (ids are
+    drawn in input order), and a row can only be skipped for a conflict on its
+    unique key or cron slot, so a greedy in-order match on those is exact.
+    """
+    skipped: list[int] = []
+    j = 0
+    for i in pending:
+        job = inserted[j] if j < len(inserted) else None
+        if job is not None and _identity(job) == rows[i].identity():
+            results[i] = job
+            j += 1
+        else:
+            skipped.append(i)
+    if j != len(inserted):
+        raise RuntimeError("belay: inserted rows did not match the request order")
+    return skipped
+
+
+def _identity(job: Job) -> tuple[Any, ...]:
+    return (job.kind, job.queue, job.unique_key, job.unique_mode, job.cron_name, job.cron_slot)

@@ -1,0 +1,111 @@
+"""The value envelope (contract §2) and belay's JSON rules.
+
+``belay_steps.value`` and ``belay_jobs.result`` are bytea: a first byte of 131
+means Erlang External Term Format (what the Elixir reference writes), anything
+else is UTF-8 JSON, SQL NULL means no value. belay writes JSON only and reads
+both; a value it cannot decode comes back as :class:`Opaque`, never an error,
+so a foreign value can't crash a reader or a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from belay.errors import ValidationError
+from belay.etf import EtfDecodeError, decode_etf
+
+ETF_VERSION = 131
+
+# orjson would quietly turn dataclasses and datetimes into objects and strings
+# that read back as something else; passing them through to a missing
+# ``default`` makes it refuse them, so a value's JSON form is never a surprise
+# to the reader on the other side.
+_STRICT = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """A stored value belay could not decode; ``data`` holds its exact bytes."""
+
+    data: bytes
+    reason: str
+
+    def __repr__(self) -> str:
+        return f"Opaque({len(self.data)} bytes: {self.reason})"
+
+
+def dumps(value: Any, *, what: str = "value") -> bytes:
+    """Serialize to JSON, refusing anything that would not read back the same.
+
+    NaN and infinities are refused too: orjson would write them as ``null``.
+    """
+    try:
+        data = orjson.dumps(value, option=_STRICT)
+    except TypeError as exc:
+        raise ValidationError(
+            f"{what} is not JSON-serializable ({exc}); use dicts with str keys, lists, str, "
+            "int, float, bool and None"
+        ) from None
+    if b"null" in data:
+        _check_finite(value, what)
+    return data
+
+
+def _check_finite(value: Any, what: str) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValidationError(f"{what} contains {item!r}, which JSON cannot represent")
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def loads(data: bytes | bytearray | memoryview | str) -> Any:
+    """Parse JSON; falls back to the stdlib for what orjson refuses (huge integers)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        if isinstance(data, (bytearray, memoryview)):
+            data = bytes(data)
+        return json.loads(data)
+
+
+def dumps_object(value: Any, *, what: str) -> bytes:
+    """Serialize a JSON object (input, meta, signal payloads must be objects)."""
+    if not isinstance(value, Mapping):
+        raise ValidationError(
+            f"{what} must be a dict (a JSON object), got {type(value).__name__}"
+        )
+    return dumps(value if isinstance(value, dict) else dict(value), what=what)
+
+
+def encode_value(value: Any, *, what: str = "value") -> bytes:
+    """Envelope-encode a step value or job result (always JSON)."""
+    return dumps(value, what=what)
+
+
+def decode_value(data: bytes | memoryview | None) -> Any:
+    """Decode an envelope: ETF or JSON by the first byte; ``None`` for SQL NULL."""
+    if data is None:
+        return None
+    raw = bytes(data)
+    if not raw:
+        return Opaque(raw, "empty value")
+    if raw[0] == ETF_VERSION:
+        try:
+            return decode_etf(raw)
+        except EtfDecodeError as exc:
+            return Opaque(raw, f"undecodable Erlang term: {exc}")
+    try:
+        return loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return Opaque(raw, f"not JSON: {exc}")

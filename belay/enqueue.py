@@ -1,0 +1,299 @@
+"""Turning an enqueue request into a ``belay_jobs`` row: pure, no I/O.
+
+Every check runs here, before any SQL, so bad input is refused with a clear
+message and nothing is written (a batch is all-or-nothing at this stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from typing import Any, Final, Literal
+
+from belay import names
+from belay.codec import dumps, dumps_object
+from belay.errors import ValidationError
+
+UniqueMode = Literal["incomplete", "window", "always"]
+UNIQUE_MODES: Final = ("incomplete", "window", "always")
+DEFAULT_QUEUE: Final = "default"
+DEFAULT_MAX_ATTEMPTS: Final = 20
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Unique:
+    """A uniqueness rule (§5.2).
+
+    ``incomplete``: one live job per key; ``window``: one job per key per
+    ``window``-second bucket, whatever its outcome; ``always``: one job per key, ever.
+    """
+
+    key: str
+    mode: UniqueMode = "incomplete"
+    window: int | None = None
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job to enqueue; ``belay.enqueue_many`` takes a list of these (or dicts)."""
+
+    kind: Any
+    input: Mapping[str, Any] | None = None
+    queue: str | None = None
+    priority: int | None = None
+    delay: float | timedelta | None = None
+    run_at: datetime | None = None
+    max_attempts: int | None = None
+    unique: str | Unique | Mapping[str, Any] | None = None
+    budget: Mapping[str, Any] | None = None
+    meta: Mapping[str, Any] | None = None
+    partition_key: str | None = None
+    # Set by belay itself (workflows, children, cron), not by enqueue callers.
+    internal: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+
+SPEC_FIELDS: Final = frozenset(
+    ("kind", "input", "queue", "priority", "delay", "run_at", "max_attempts", "unique",
+     "budget", "meta", "partition_key")
+)
+_INTERNAL_FIELDS: Final = frozenset(
+    ("state", "workflow_id", "wf_name", "wf_deps", "wf_ignore", "cron_name", "cron_slot",
+     "parent_id")
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """The values one new ``belay_jobs`` row gets; JSON fields already serialized."""
+
+    kind: str
+    queue: str
+    state: str
+    input: str
+    meta: str
+    priority: int
+    max_attempts: int
+    partition_key: str | None
+    ready_at: datetime
+    workflow_id: str | None
+    wf_name: str | None
+    wf_deps: str
+    wf_ignore: str
+    cron_name: str | None
+    cron_slot: datetime | None
+    unique_key: str | None
+    unique_mode: str | None
+    parent_id: int | None
+    budget_usd_micros: int | None
+    budget_tokens: int | None
+
+    def identity(self) -> tuple[Any, ...]:
+        """What tells this row apart from others that might be skipped on conflict."""
+        return (self.kind, self.queue, self.unique_key, self.unique_mode, self.cron_name,
+                self.cron_slot)
+
+
+def spec_from(item: JobSpec | Mapping[str, Any]) -> JobSpec:
+    """Accept a JobSpec or a dict with the same keys (unknown keys are refused)."""
+    if isinstance(item, JobSpec):
+        return item
+    if not isinstance(item, Mapping):
+        raise ValidationError(
+            f"enqueue_many takes belay.JobSpec objects or dicts, got {type(item).__name__}"
+        )
+    unknown = sorted(set(item) - SPEC_FIELDS)
+    if unknown:
+        raise ValidationError(
+            f"unknown enqueue option(s) {', '.join(map(repr, unknown))}; "
+            f"known options: {', '.join(sorted(SPEC_FIELDS))}"
+        )
+    if "kind" not in item:
+        raise ValidationError("each job needs a 'kind' (the worker name)")
+    return JobSpec(**item)
+
+
+def kind_of(kind: Any) -> tuple[str, Mapping[str, Any]]:
+    """A kind is a registry name, or a worker object carrying ``kind`` and its defaults."""
+    defaults: Mapping[str, Any] = {}
+    name: Any = kind
+    if not isinstance(kind, str):
+        name = getattr(kind, "kind", None)
+        defaults = getattr(kind, "enqueue_defaults", None) or {}
+        if not isinstance(name, str):
+            raise ValidationError(
+                f"kind must be a worker name (str) or a belay worker, got {type(kind).__name__}"
+            )
+    if not name.strip():
+        raise ValidationError("kind must be a non-empty worker name")
+    return name, defaults
+
+
+def build_row(spec: JobSpec, now: datetime) -> Row:
+    """Validate one request and produce its row (§5.1 defaults; ``now`` from the clock)."""
+    kind, defaults = kind_of(spec.kind)
+
+    def opt(name: str, fallback: Any) -> Any:
+        value = getattr(spec, name)
+        if value is None:
+            value = defaults.get(name, fallback)
+        return value
+
+    internal = dict(spec.internal)
+    stray = sorted(set(internal) - _INTERNAL_FIELDS)
+    if stray:
+        raise ValidationError(f"unknown internal enqueue field(s): {', '.join(stray)}")
+
+    queue = opt("queue", DEFAULT_QUEUE)
+    if not isinstance(queue, str) or not queue.strip():
+        raise ValidationError(f"queue must be a non-empty string, got {queue!r}")
+
+    priority = _int("priority", opt("priority", 0), *_INT32)
+    max_attempts = _int("max_attempts", opt("max_attempts", DEFAULT_MAX_ATTEMPTS), 1, _INT32[1])
+    ready_at = _ready_at(spec.delay, spec.run_at, now)
+    unique_key, unique_mode = _unique(opt("unique", None), now)
+    budget_usd_micros, budget_tokens = _budget(opt("budget", None))
+
+    partition_key = spec.partition_key
+    if partition_key is not None and not isinstance(partition_key, str):
+        raise ValidationError(f"partition_key must be a string, got {type(partition_key).__name__}")
+
+    state = internal.get("state", "ready")
+    if state not in ("ready", "held"):
+        raise ValidationError(f"new jobs start ready or held, not {state!r}")
+
+    input_ = spec.input if spec.input is not None else {}
+    meta = spec.meta if spec.meta is not None else defaults.get("meta", {})
+
+    return Row(
+        kind=kind,
+        queue=queue,
+        state=state,
+        input=dumps_object(input_, what="input").decode(),
+        meta=dumps_object(meta, what="meta").decode(),
+        priority=priority,
+        max_attempts=max_attempts,
+        partition_key=partition_key,
+        ready_at=ready_at,
+        workflow_id=internal.get("workflow_id"),
+        wf_name=internal.get("wf_name"),
+        wf_deps=dumps(list(internal.get("wf_deps", ()))).decode(),
+        wf_ignore=dumps(list(internal.get("wf_ignore", ()))).decode(),
+        cron_name=internal.get("cron_name"),
+        cron_slot=internal.get("cron_slot"),
+        unique_key=unique_key,
+        unique_mode=unique_mode,
+        parent_id=internal.get("parent_id"),
+        budget_usd_micros=budget_usd_micros,
+        budget_tokens=budget_tokens,
+    )
+
+
+def _int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValidationError(f"{name} must be between {low} and {high}, got {value}")
+    return value
+
+
+def _aware(name: str, value: Any) -> datetime:
+    if not isinstance(value, datetime):
+        raise ValidationError(f"{name} must be a datetime, got {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValidationError(
+            f"{name} must be timezone-aware (e.g. datetime.now(timezone.utc)); "
+            f"a naive datetime is ambiguous: {value!r}"
+        )
+    return value.astimezone(timezone.utc)
+
+
+def _ready_at(delay: Any, run_at: Any, now: datetime) -> datetime:
+    if delay is not None and run_at is not None:
+        raise ValidationError("give delay or run_at, not both")
+    if run_at is not None:
+        return _aware("run_at", run_at)
+    if delay is None:
+        return now
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
+        seconds = float(delay)
+    else:
+        raise ValidationError(f"delay must be seconds or a timedelta, got {delay!r}")
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValidationError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
+    return now + timedelta(seconds=seconds)
+
+
+def _unique(unique: Any, now: datetime) -> tuple[str | None, str | None]:
+    if unique is None:
+        return None, None
+    if isinstance(unique, str):
+        unique = Unique(unique)
+    elif isinstance(unique, Mapping):
+        unknown = sorted(set(unique) - {"key", "mode", "window"})
+        if unknown:
+            raise ValidationError(
+                f"unknown unique option(s) {', '.join(map(repr, unknown))}; use key, mode, window"
+            )
+        if "key" not in unique:
+            raise ValidationError("unique needs a 'key'")
+        unique = Unique(**unique)
+    elif not isinstance(unique, Unique):
+        raise ValidationError(
+            f"unique must be a key (str), a belay.Unique or a dict, got {type(unique).__name__}"
+        )
+    key, mode, window = unique.key, unique.mode, unique.window
+    if not isinstance(key, str) or not key:
+        raise ValidationError(f"unique key must be a non-empty string, got {key!r}")
+    if key.startswith(names.RESERVED_PREFIX):
+        raise ValidationError(f"unique keys starting with '$' are reserved for belay: {key!r}")
+    if mode not in UNIQUE_MODES:
+        raise ValidationError(
+            f"unique mode must be one of {', '.join(UNIQUE_MODES)}, got {mode!r}"
+        )
+    if mode == "window":
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise ValidationError(
+                f"unique mode 'window' needs window=<seconds>, a positive integer; got {window!r}"
+            )
+        return names.window_key(key, int(now.timestamp()), window), mode
+    if window is not None:
+        raise ValidationError(f"window only applies to unique mode 'window', not {mode!r}")
+    return key, mode
+
+
+def _budget(budget: Any) -> tuple[int | None, int | None]:
+    if budget is None:
+        return None, None
+    if not isinstance(budget, Mapping):
+        raise ValidationError(
+            f"budget must be a dict like {{'usd': 1.5, 'tokens': 20000}}, got {budget!r}"
+        )
+    unknown = sorted(set(budget) - {"usd", "tokens"})
+    if unknown:
+        raise ValidationError(
+            f"unknown budget key(s) {', '.join(map(repr, unknown))}; use 'usd' and 'tokens'"
+        )
+    usd, tokens = budget.get("usd"), budget.get("tokens")
+    return (None if usd is None else usd_to_micros(usd, what="budget usd"),
+            None if tokens is None else _int("budget tokens", tokens, 0, _INT64[1]))
+
+
+def usd_to_micros(usd: Any, *, what: str) -> int:
+    """Dollars to integer micro-dollars (§2), exactly: 0.1 is 100_000, not 99_999."""
+    if isinstance(usd, bool) or not isinstance(usd, (int, float, Decimal)):
+        raise ValidationError(f"{what} must be a number of dollars, got {usd!r}")
+    try:
+        micros = (Decimal(str(usd)) * 1_000_000).to_integral_value(ROUND_HALF_EVEN)
+    except InvalidOperation:
+        raise ValidationError(f"{what} must be a finite number, got {usd!r}") from None
+    if not micros.is_finite() or micros < 0:
+        raise ValidationError(f"{what} must be a finite number >= 0, got {usd!r}")
+    if micros > _INT64[1]:
+        raise ValidationError(f"{what} is too large: {usd!r}")
+    return int(micros)

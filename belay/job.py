@@ -1,0 +1,175 @@
+"""What reads return: jobs, steps, events, workflow status.
+
+Rows are read by column name, never by position, and columns this version
+does not know are kept aside in ``extra`` (contract §1: additive changes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+from belay.codec import decode_value
+
+STATES: Final = (
+    "ready", "running", "awaiting", "held", "paused", "succeeded", "failed", "cancelled",
+)
+TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
+INCOMPLETE: Final = frozenset({"ready", "running", "awaiting", "held", "paused"})
+PARKED: Final = frozenset({"ready", "awaiting", "held", "paused"})
+
+
+@dataclass(frozen=True)
+class Job:
+    """One ``belay_jobs`` row. ``result`` is the decoded envelope."""
+
+    id: int
+    kind: str
+    queue: str
+    state: str
+    input: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    attempt: int = 0
+    max_attempts: int = 20
+    partition_key: str | None = None
+    ready_at: datetime | None = None
+    lease_until: datetime | None = None
+    leased_by: str | None = None
+    await_scope: str | None = None
+    await_name: str | None = None
+    workflow_id: str | None = None
+    wf_name: str | None = None
+    wf_deps: list[str] = field(default_factory=list)
+    wf_ignore: list[str] = field(default_factory=list)
+    cron_name: str | None = None
+    cron_slot: datetime | None = None
+    unique_key: str | None = None
+    unique_mode: str | None = None
+    parent_id: int | None = None
+    budget_usd_micros: int | None = None
+    budget_tokens: int | None = None
+    spent_usd_micros: int = 0
+    spent_tokens: int = 0
+    result_envelope: bytes | None = field(default=None, repr=False)
+    errors: list[Any] = field(default_factory=list)
+    cancel_requested: bool = False
+    inserted_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    #: True when enqueue found an existing holder of the unique key (§5.2).
+    duplicate: bool = False
+    #: Columns this version of belay does not know, by name.
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any], *, duplicate: bool = False) -> Job:
+        known: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for name, value in row.items():
+            if name == "result":
+                known["result_envelope"] = None if value is None else bytes(value)
+            elif name in _FIELDS:
+                known[name] = value
+            else:
+                extra[name] = value
+        for name in ("wf_deps", "wf_ignore", "errors"):
+            if known.get(name) is None:
+                known[name] = []
+        for name in ("input", "meta"):
+            if known.get(name) is None:
+                known[name] = {}
+        return cls(**known, duplicate=duplicate, extra=extra)
+
+    @property
+    def result(self) -> Any:
+        """The decoded result (JSON or Erlang term); ``None`` when there is none."""
+        return decode_value(self.result_envelope)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def budget_usd(self) -> float | None:
+        return None if self.budget_usd_micros is None else self.budget_usd_micros / 1_000_000
+
+    @property
+    def spent_usd(self) -> float:
+        return self.spent_usd_micros / 1_000_000
+
+    def replace(self, **changes: Any) -> Job:
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS: Final = frozenset(
+    f.name
+    for f in dataclasses.fields(Job)
+    if f.name not in ("result_envelope", "duplicate", "extra")
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One journaled step: its decoded value and recorded cost."""
+
+    seq: int
+    name: str
+    value: Any
+    usd_micros: int
+    tokens: int
+    inserted_at: datetime | None
+
+    @property
+    def usd(self) -> float:
+        return self.usd_micros / 1_000_000
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Step:
+        return cls(
+            seq=row["seq"],
+            name=row["name"],
+            value=decode_value(row["value"]),
+            usd_micros=row["usd_micros"],
+            tokens=row["tokens"],
+            inserted_at=row["inserted_at"],
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a job's append-only event stream."""
+
+    seq: int
+    payload: Any
+    inserted_at: datetime | None
+
+
+@dataclass(frozen=True)
+class WorkflowStatus:
+    """Every member of a workflow and a summary of their states."""
+
+    workflow_id: str
+    jobs: list[Job]
+
+    @property
+    def total(self) -> int:
+        return len(self.jobs)
+
+    @property
+    def state_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for job in self.jobs:
+            counts[job.state] = counts.get(job.state, 0) + 1
+        return counts
+
+    @property
+    def done(self) -> bool:
+        """True once every member is terminal (an unknown id is never done)."""
+        return bool(self.jobs) and all(job.terminal for job in self.jobs)
+
+    def by_name(self) -> dict[str, Job]:
+        return {job.wf_name: job for job in self.jobs if job.wf_name is not None}

@@ -1,0 +1,53 @@
+"""Reserved names and lock keys of the wire contract, spelled in one place."""
+
+from __future__ import annotations
+
+import re
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
+
+STEER = "$steer"
+CHILDREN = "$children"
+RESERVED_PREFIX = "$"
+
+
+def job_scope(job_id: int) -> str:
+    """The signal scope of one job (§8.1)."""
+    return f"job:{job_id}"
+
+
+def workflow_scope(workflow_id: str) -> str:
+    return f"wf:{workflow_id}"
+
+
+def signal_lock(scope: str) -> str:
+    """§7: parking and delivery serialize on this advisory lock."""
+    return f"belay_sig:{scope}"
+
+
+def workflow_lock(workflow_id: str) -> str:
+    """§7: taken before any signal lock, never after."""
+    return f"belay_wf:{workflow_id}"
+
+
+def queue_lock(queue: str) -> str:
+    """§6: serializes claimers of a queue with admission limits."""
+    return f"belay:{queue}"
+
+
+MIGRATE_LOCK = "belay:migrate"
+
+
+def window_key(key: str, epoch_seconds: int, window: int) -> str:
+    """§5.2: a window-unique key embeds its bucket."""
+    return f"{key}@{epoch_seconds // window}"
+
+
+def spawn_key(parent_id: int, name: str, index: int) -> str:
+    """§8.4: the always-unique key of a spawned child."""
+    return f"$spawn:{parent_id}:{name}:{index}"
+
+
+def notify_channel(database: str) -> str:
+    """§9.2: ``belay_`` + the database name, each character outside [A-Za-z0-9_] as ``_``."""
+    return "belay_" + _UNSAFE.sub("_", database)

@@ -1,0 +1,195 @@
+-- Every statement belay runs lives in this file, as named blocks ("-- name: x").
+-- Contract rule (§2): SQL never calls now(); "now" is always a bind parameter.
+
+-- name: advisory_xact_lock
+-- Keys are built by belay.locks so every lock name has one spelling.
+SELECT pg_advisory_xact_lock(hashtext(%s));
+
+-- name: meta_create
+CREATE TABLE IF NOT EXISTS belay_meta (version int NOT NULL);
+
+-- name: meta_exists
+SELECT to_regclass('belay_meta') IS NOT NULL;
+
+-- name: meta_revision
+SELECT COALESCE(max(version), 0) FROM belay_meta;
+
+-- name: meta_has_contract_major
+SELECT EXISTS (
+  SELECT 1 FROM pg_attribute
+  WHERE attrelid = to_regclass('belay_meta') AND attname = 'contract_major' AND NOT attisdropped
+);
+
+-- name: meta_contract_major
+SELECT max(contract_major) FROM belay_meta;
+
+-- name: meta_record
+INSERT INTO belay_meta (version) VALUES (%s);
+
+-- name: insert_jobs
+-- §5.1: one multi-row INSERT whatever the batch size (arrays, so the statement
+-- text never changes and stays prepared). The targetless conflict clause
+-- absorbs unique-key and cron-slot dedup; skipped rows are not returned.
+-- WITH ORDINALITY keeps the caller's order, which makes id order equal input
+-- order: the client relies on that to tell which rows were skipped.
+INSERT INTO belay_jobs (
+  kind, queue, state, input, meta, priority, attempt, max_attempts, partition_key,
+  ready_at, workflow_id, wf_name, wf_deps, wf_ignore, cron_name, cron_slot,
+  unique_key, unique_mode, parent_id, budget_usd_micros, budget_tokens,
+  spent_usd_micros, spent_tokens, errors, cancel_requested, inserted_at
+)
+SELECT r.kind, r.queue, r.state, r.input, r.meta, r.priority, 0, r.max_attempts,
+       r.partition_key, r.ready_at, r.workflow_id, r.wf_name,
+       ARRAY(SELECT jsonb_array_elements_text(r.wf_deps)),
+       ARRAY(SELECT jsonb_array_elements_text(r.wf_ignore)),
+       r.cron_name, r.cron_slot, r.unique_key, r.unique_mode, r.parent_id,
+       r.budget_usd_micros, r.budget_tokens, 0, 0, '[]'::jsonb, false, %(now)s
+FROM unnest(
+  %(kind)s::text[], %(queue)s::text[], %(state)s::text[], %(input)s::text[]::jsonb[],
+  %(meta)s::text[]::jsonb[], %(priority)s::int[], %(max_attempts)s::int[],
+  %(partition_key)s::text[], %(ready_at)s::timestamptz[], %(workflow_id)s::text[],
+  %(wf_name)s::text[], %(wf_deps)s::text[]::jsonb[], %(wf_ignore)s::text[]::jsonb[],
+  %(cron_name)s::text[], %(cron_slot)s::timestamptz[], %(unique_key)s::text[],
+  %(unique_mode)s::text[], %(parent_id)s::bigint[], %(budget_usd_micros)s::bigint[],
+  %(budget_tokens)s::bigint[]
+) WITH ORDINALITY AS r (
+  kind, queue, state, input, meta, priority, max_attempts, partition_key, ready_at,
+  workflow_id, wf_name, wf_deps, wf_ignore, cron_name, cron_slot, unique_key,
+  unique_mode, parent_id, budget_usd_micros, budget_tokens, ord
+)
+ORDER BY r.ord
+ON CONFLICT DO NOTHING
+RETURNING *;
+
+-- name: jobs_by_unique_keys
+-- §5.2: the holder of a key is its newest row.
+SELECT DISTINCT ON (unique_key) * FROM belay_jobs
+WHERE unique_key = ANY(%s::text[])
+ORDER BY unique_key, id DESC;
+
+-- name: jobs_by_cron_slots
+SELECT * FROM belay_jobs
+WHERE (cron_name, cron_slot) IN (
+  SELECT * FROM unnest(%s::text[], %s::timestamptz[])
+);
+
+-- name: notify
+-- §9.2: one pg_notify per distinct payload; inside a transaction Postgres
+-- delivers them only on commit.
+SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p;
+
+-- name: get_job
+SELECT * FROM belay_jobs WHERE id = %s;
+
+-- name: get_job_for_update
+SELECT * FROM belay_jobs WHERE id = %s FOR UPDATE;
+
+-- name: list_jobs
+-- Newest first; a NULL filter matches everything. before_id pages backwards.
+SELECT * FROM belay_jobs
+WHERE (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+  AND (%(state)s::text IS NULL OR state = %(state)s::text)
+  AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
+  AND (%(workflow_id)s::text IS NULL OR workflow_id = %(workflow_id)s::text)
+  AND (%(parent_id)s::bigint IS NULL OR parent_id = %(parent_id)s::bigint)
+  AND (%(before_id)s::bigint IS NULL OR id < %(before_id)s::bigint)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: workflow_jobs
+SELECT * FROM belay_jobs WHERE workflow_id = %s ORDER BY id;
+
+-- name: queue_stats
+SELECT queue, state, count(*) AS count,
+       COALESCE(sum(spent_usd_micros), 0)::bigint AS spent_usd_micros,
+       COALESCE(sum(spent_tokens), 0)::bigint AS spent_tokens
+FROM belay_jobs GROUP BY queue, state ORDER BY queue, state;
+
+-- name: list_steps
+SELECT seq, name, value, usd_micros, tokens, inserted_at
+FROM belay_steps WHERE job_id = %s ORDER BY seq;
+
+-- name: list_events
+SELECT seq, payload, inserted_at FROM belay_events
+WHERE job_id = %s AND seq > %s ORDER BY seq;
+
+-- name: upsert_signal
+-- §8.1: upsert-latest; the row persists until cleared or TTL-pruned, so an
+-- awaiter that parks after delivery still finds it.
+INSERT INTO belay_signals (scope, name, payload, inserted_at)
+VALUES (%s, %s, %s::jsonb, %s)
+ON CONFLICT (scope, name) DO UPDATE
+  SET payload = EXCLUDED.payload, inserted_at = EXCLUDED.inserted_at;
+
+-- name: wake_awaiting
+UPDATE belay_jobs
+SET state = 'ready', ready_at = %(now)s, await_scope = NULL, await_name = NULL
+WHERE state = 'awaiting' AND await_scope = %(scope)s AND await_name = %(name)s
+RETURNING id, queue;
+
+-- name: delete_signal
+DELETE FROM belay_signals WHERE scope = %s AND name = %s;
+
+-- name: get_signal
+SELECT payload FROM belay_signals WHERE scope = ANY(%s::text[]) AND name = %s LIMIT 1;
+
+-- name: request_cancel
+-- §8.6: a running job is cancelled cooperatively at its next step boundary.
+UPDATE belay_jobs SET cancel_requested = true WHERE id = %s;
+
+-- name: cancel_parked
+-- §8.6: parked or held → cancelled. The row is already locked FOR UPDATE; the
+-- state guard keeps this a no-op if anything moved it anyway.
+UPDATE belay_jobs
+SET state = 'cancelled', errors = errors || jsonb_build_array(%(error)s::jsonb),
+    finished_at = %(now)s, lease_until = NULL, leased_by = NULL
+WHERE id = %(id)s AND state = %(state)s
+RETURNING *;
+
+-- name: retry_job
+-- §8.6: failed|cancelled → ready (or held for dep-bearing workflow members,
+-- settled right after). Clears cancel_requested: the retry is the operator's
+-- later intent. Grants one more attempt when the job had used them all.
+UPDATE belay_jobs
+SET state = %(target)s, ready_at = %(now)s, cancel_requested = false,
+    max_attempts = GREATEST(max_attempts, attempt + 1),
+    lease_until = NULL, leased_by = NULL, finished_at = NULL
+WHERE id = %(id)s AND state IN ('failed', 'cancelled')
+RETURNING *;
+
+-- name: workflow_members
+-- The settle input: every member's name, state and dependency lists.
+SELECT id, wf_name, state, wf_deps, wf_ignore, parent_id, queue
+FROM belay_jobs WHERE workflow_id = %s;
+
+-- name: settle_release
+UPDATE belay_jobs SET state = 'ready', ready_at = %s
+WHERE id = ANY(%s::bigint[]) AND state = 'held'
+RETURNING id, queue, parent_id;
+
+-- name: settle_doom
+UPDATE belay_jobs SET state = 'cancelled', finished_at = %s
+WHERE id = ANY(%s::bigint[]) AND state = 'held'
+RETURNING id, queue, parent_id;
+
+-- name: listen
+-- The channel is an identifier: composed with psycopg.sql.Identifier.
+LISTEN {channel};
+
+-- name: signal_exists
+SELECT 1 FROM belay_signals WHERE scope = %s AND name = %s;
+
+-- name: park_await
+-- §7 await park, fenced on the claimed attempt. The attempt goes back down:
+-- parking is not a failed try.
+UPDATE belay_jobs
+SET state = 'awaiting', await_scope = %(scope)s, await_name = %(name)s,
+    ready_at = %(deadline)s, attempt = attempt - 1, lease_until = NULL, leased_by = NULL
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s;
+
+-- name: park_ready
+-- §7: the signal was already there, so park as ready instead of awaiting.
+UPDATE belay_jobs
+SET state = 'ready', ready_at = %(now)s, await_scope = NULL, await_name = NULL,
+    attempt = attempt - 1, lease_until = NULL, leased_by = NULL
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s;

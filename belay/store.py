@@ -1,0 +1,318 @@
+"""The storage boundary: named operations over a psycopg connection.
+
+Callers (the client, later the worker and the step context) never touch a
+cursor; they call these. Each takes the connection to run on — the caller
+owns the transaction — and "now" as a value (contract §2). Operations that
+need several statements to be atomic say so and must run inside a
+transaction; the client guarantees that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import set_json_loads
+
+from belay import names
+from belay.codec import dumps, loads
+from belay.enqueue import Row
+from belay.job import PARKED, TERMINAL, Event, Job, Step
+from belay.settle import Member, settle
+from belay.sql import QUERIES
+
+Conn = psycopg.Connection[Any]
+
+
+def _cursor(conn: Conn) -> psycopg.Cursor[dict[str, Any]]:
+    cur = conn.cursor(row_factory=dict_row)
+    # Per cursor, not per connection: a caller's connection keeps its own JSON settings.
+    set_json_loads(loads, cur)
+    return cur
+
+
+def _rows(conn: Conn, query: str, params: Any = None) -> list[dict[str, Any]]:
+    with _cursor(conn) as cur:
+        cur.execute(QUERIES[query], params)
+        return cur.fetchall()
+
+
+def _value(conn: Conn, query: str, params: Any = None) -> Any:
+    with conn.cursor() as cur:
+        cur.execute(QUERIES[query], params)
+        row = cur.fetchone()
+        return None if row is None else row[0]
+
+
+def _execute(conn: Conn, query: str, params: Any = None) -> int:
+    with conn.cursor() as cur:
+        cur.execute(QUERIES[query], params)
+        return cur.rowcount
+
+
+def lock(conn: Conn, key: str) -> None:
+    """Take a transaction-scoped advisory lock (released at commit or rollback)."""
+    _execute(conn, "advisory_xact_lock", (key,))
+
+
+# -- Enqueue -------------------------------------------------------------------
+
+_ROW_FIELDS = (
+    "kind", "queue", "state", "input", "meta", "priority", "max_attempts", "partition_key",
+    "ready_at", "workflow_id", "wf_name", "wf_deps", "wf_ignore", "cron_name", "cron_slot",
+    "unique_key", "unique_mode", "parent_id", "budget_usd_micros", "budget_tokens",
+)
+
+
+def insert_jobs(conn: Conn, rows: Sequence[Row], now: datetime) -> list[Job]:
+    """§5.1: insert, skipping conflicts; returns the inserted jobs in input order."""
+    params: dict[str, Any] = {name: [getattr(r, name) for r in rows] for name in _ROW_FIELDS}
+    params["now"] = now
+    inserted = [Job.from_row(r) for r in _rows(conn, "insert_jobs", params)]
+    # ids are drawn in input order (the statement orders by ordinality).
+    inserted.sort(key=lambda job: job.id)
+    return inserted
+
+
+def holders_by_unique_key(conn: Conn, keys: Iterable[str]) -> dict[str, Job]:
+    """§5.2: the newest job holding each key."""
+    found = _rows(conn, "jobs_by_unique_keys", (list(set(keys)),))
+    return {row["unique_key"]: Job.from_row(row, duplicate=True) for row in found}
+
+
+def holders_by_cron_slot(
+    conn: Conn, slots: Iterable[tuple[str, datetime]]
+) -> dict[tuple[str, datetime], Job]:
+    slots = list(set(slots))
+    found = _rows(
+        conn, "jobs_by_cron_slots", ([s[0] for s in slots], [s[1] for s in slots])
+    )
+    return {
+        (row["cron_name"], row["cron_slot"]): Job.from_row(row, duplicate=True) for row in found
+    }
+
+
+def notify(conn: Conn, channel: str, payloads: Iterable[bytes]) -> None:
+    """§9.2: one pg_notify per distinct payload; transactional, so sent on commit only."""
+    distinct = sorted({p.decode() for p in payloads})
+    if distinct:
+        _execute(conn, "notify", (channel, distinct))
+
+
+def poke_payload(queue: str) -> bytes:
+    return dumps({"t": "p", "q": queue})
+
+
+def result_payload(job_id: int) -> bytes:
+    return dumps({"t": "r", "id": job_id})
+
+
+# -- Reads ---------------------------------------------------------------------
+
+
+def get_job(conn: Conn, job_id: int, *, for_update: bool = False) -> Job | None:
+    found = _rows(conn, "get_job_for_update" if for_update else "get_job", (job_id,))
+    return Job.from_row(found[0]) if found else None
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    queue: str | None = None
+    state: str | None = None
+    kind: str | None = None
+    workflow_id: str | None = None
+    parent_id: int | None = None
+    before_id: int | None = None
+    limit: int = 50
+
+
+def list_jobs(conn: Conn, where: JobFilter) -> list[Job]:
+    params = {
+        "queue": where.queue, "state": where.state, "kind": where.kind,
+        "workflow_id": where.workflow_id, "parent_id": where.parent_id,
+        "before_id": where.before_id, "limit": where.limit,
+    }
+    return [Job.from_row(r) for r in _rows(conn, "list_jobs", params)]
+
+
+def workflow_jobs(conn: Conn, workflow_id: str) -> list[Job]:
+    return [Job.from_row(r) for r in _rows(conn, "workflow_jobs", (workflow_id,))]
+
+
+def queue_stats(conn: Conn) -> list[dict[str, Any]]:
+    return _rows(conn, "queue_stats")
+
+
+def list_steps(conn: Conn, job_id: int) -> list[Step]:
+    return [Step.from_row(r) for r in _rows(conn, "list_steps", (job_id,))]
+
+
+def list_events(conn: Conn, job_id: int, after: int) -> list[Event]:
+    return [Event(r["seq"], r["payload"], r["inserted_at"])
+            for r in _rows(conn, "list_events", (job_id, after))]
+
+
+def get_signal(conn: Conn, scopes: Sequence[str], name: str) -> tuple[bool, Any]:
+    found = _rows(conn, "get_signal", (list(scopes), name))
+    return (True, found[0]["payload"]) if found else (False, None)
+
+
+# -- Signals (§8.1) --------------------------------------------------------------
+
+
+def deliver_signal(
+    conn: Conn, scope: str, name: str, payload_json: str, now: datetime
+) -> list[tuple[int, str]]:
+    """Upsert the signal and wake its awaiters; returns the woken (id, queue) pairs.
+
+    Atomic: run inside a transaction. §7: the scope lock serializes this
+    against a job parking on the same scope, so no wake-up is ever lost.
+    """
+    lock(conn, names.signal_lock(scope))
+    _execute(conn, "upsert_signal", (scope, name, payload_json, now))
+    woken = _rows(conn, "wake_awaiting", {"scope": scope, "name": name, "now": now})
+    return [(r["id"], r["queue"]) for r in woken]
+
+
+def clear_signal(conn: Conn, scope: str, name: str) -> bool:
+    return _execute(conn, "delete_signal", (scope, name)) > 0
+
+
+# -- Cancel, retry, settlement (§7, §8.3, §8.6) ---------------------------------
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a terminal write set in motion: jobs made ready (to poke) and dooms."""
+
+    ready: list[tuple[int, str]]
+    cancelled: list[int]
+
+
+def settle_workflow(conn: Conn, workflow_id: str, now: datetime) -> tuple[
+    list[dict[str, Any]], list[dict[str, Any]]
+]:
+    """§8.3 under the workflow lock; returns the released and doomed rows."""
+    lock(conn, names.workflow_lock(workflow_id))
+    members = [
+        Member(r["id"], r["wf_name"], r["state"], r["wf_deps"] or (), r["wf_ignore"] or ())
+        for r in _rows(conn, "workflow_members", (workflow_id,))
+    ]
+    release_ids, doom_ids = settle(members)
+    released = _rows(conn, "settle_release", (now, release_ids)) if release_ids else []
+    doomed = _rows(conn, "settle_doom", (now, doom_ids)) if doom_ids else []
+    return released, doomed
+
+
+def after_terminal(conn: Conn, job: Job, now: datetime) -> Settled:
+    """§7 "after any terminal write": settle the workflow, then tell parents."""
+    return _settle_and_notify(conn, job.workflow_id, [job.parent_id], now)
+
+
+def _settle_and_notify(
+    conn: Conn, workflow_id: str | None, parent_ids: list[int | None], now: datetime
+) -> Settled:
+    """Settle (when a workflow member) and send ``$children`` to each parent of
+    the job and of every member settlement doomed.
+
+    Lock order is workflow lock, then signal-scope locks — never the reverse.
+    Parents are told unconditionally, never gated on a sibling count (§11 R1).
+    """
+    ready: list[tuple[int, str]] = []
+    doomed: list[dict[str, Any]] = []
+    if workflow_id is not None:
+        released, doomed = settle_workflow(conn, workflow_id, now)
+        ready.extend((r["id"], r["queue"]) for r in released)
+    for parent_id in [*parent_ids, *(r["parent_id"] for r in doomed)]:
+        if parent_id is not None:
+            ready.extend(
+                deliver_signal(conn, names.job_scope(parent_id), names.CHILDREN, "{}", now)
+            )
+    return Settled(ready=ready, cancelled=[r["id"] for r in doomed])
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    status: str  # "cancelled" | "requested" | "noop"
+    job: Job
+    settled: Settled
+
+
+def cancel_job(conn: Conn, job_id: int, now: datetime) -> CancelOutcome | None:
+    """§8.6: parked/held → cancelled (+ settlement, parent notify); running →
+    cancel_requested. Atomic: run inside a transaction. None when no such job."""
+    job = get_job(conn, job_id, for_update=True)
+    if job is None:
+        return None
+    nothing = Settled([], [])
+    if job.state in TERMINAL:
+        return CancelOutcome("noop", job, nothing)
+    if job.state == "running":
+        _execute(conn, "request_cancel", (job_id,))
+        return CancelOutcome("requested", job.replace(cancel_requested=True), nothing)
+    if job.state not in PARKED:
+        return CancelOutcome("noop", job, nothing)
+    rows = _rows(conn, "cancel_parked", {
+        "id": job_id, "state": job.state, "now": now,
+        "error": dumps({"reason": "cancel"}).decode(),
+    })
+    cancelled = Job.from_row(rows[0])
+    return CancelOutcome("cancelled", cancelled, after_terminal(conn, cancelled, now))
+
+
+@dataclass(frozen=True)
+class RetryOutcome:
+    job: Job
+    settled: Settled
+
+
+def retry_job(conn: Conn, job_id: int, now: datetime) -> RetryOutcome | str | None:
+    """§8.6 operator retry. Returns the outcome, the blocking state (not
+    failed/cancelled), or None when no such job. Atomic: run in a transaction.
+
+    Row lock first, then the workflow lock — the order an ack takes them.
+    """
+    job = get_job(conn, job_id, for_update=True)
+    if job is None:
+        return None
+    if job.state not in ("failed", "cancelled"):
+        return job.state
+    # §8.6: a dep-bearing member goes back to held and lets settlement decide;
+    # going straight to ready would let it run beside a failed dependency.
+    target = "held" if job.wf_deps else "ready"
+    rows = _rows(conn, "retry_job", {"id": job_id, "target": target, "now": now})
+    retried = Job.from_row(rows[0])
+    settled = _settle_and_notify(conn, retried.workflow_id, [], now)
+    if settled.ready or settled.cancelled:
+        retried = get_job(conn, job_id) or retried
+    if retried.state == "ready" and (retried.id, retried.queue) not in settled.ready:
+        settled = Settled([*settled.ready, (retried.id, retried.queue)], settled.cancelled)
+    return RetryOutcome(retried, settled)
+
+
+def park_await(
+    conn: Conn,
+    job_id: int,
+    attempt: int,
+    scope: str,
+    name: str,
+    deadline: datetime | None,
+    now: datetime,
+) -> str | None:
+    """§7 park-and-wake: park a running job on (scope, name) until ``deadline``.
+
+    Under the scope lock, an already-delivered signal parks the job ready
+    instead, so a delivery racing the park can never be lost. Returns the
+    state written ("awaiting" or "ready"), or None for a stale attempt.
+    Atomic: run inside a transaction.
+    """
+    lock(conn, names.signal_lock(scope))
+    params = {"id": job_id, "attempt": attempt, "scope": scope, "name": name,
+              "deadline": deadline, "now": now}
+    if _value(conn, "signal_exists", (scope, name)) is not None:
+        return "ready" if _execute(conn, "park_ready", params) else None
+    return "awaiting" if _execute(conn, "park_await", params) else None
