@@ -111,6 +111,11 @@ class Belay:
                 # Drop them unclosed (closing would talk on the parent's sockets).
                 self._pool, self._listener, self._pid = None, None, os.getpid()
             if self._pool is None:
+                # One direct connection first: a wrong URL or a down server
+                # raises its real error now, instead of a pool timeout later,
+                # and the schema check (§1) rides on it.
+                with psycopg.connect(self.conninfo, autocommit=True) as probe:
+                    self._verify_once(probe)
                 low, high = self._pool_sizes
                 pool = ConnectionPool(
                     self.conninfo,
@@ -147,12 +152,17 @@ class Belay:
     def transaction(self, conn: Conn | None = None) -> Iterator[Conn]:
         """A connection inside a transaction.
 
-        On a caller's connection already in a transaction, that transaction is
-        used as is (advisory locks and pokes then last until *it* commits); an
-        idle caller connection gets a transaction of its own.
+        A caller's connection that is not in autocommit mode is used as is: the
+        statements join its current transaction, or start one psycopg leaves
+        open for the caller to commit or roll back, so advisory locks and
+        pokes last until *the caller* commits. Only an autocommit connection
+        (the pool's, or a caller's) gets a transaction of belay's own.
         """
         with self._acquire(conn) as active:
-            if active.info.transaction_status == TransactionStatus.INTRANS:
+            if (
+                not active.autocommit
+                or active.info.transaction_status == TransactionStatus.INTRANS
+            ):
                 self._verify_once(active)
                 yield active
             else:
@@ -313,6 +323,8 @@ class Belay:
             raise ValidationError(f"limit must be an integer from 1 to 10000, got {limit!r}")
         if kind is not None and not isinstance(kind, str):
             kind = getattr(kind, "kind", kind)
+        parent_id = None if parent_id is None else _job_id(parent_id, what="parent_id")
+        before_id = None if before_id is None else _job_id(before_id, what="before_id")
         where = store.JobFilter(queue, state, kind, workflow_id, parent_id, before_id, limit)
         with self.connection(conn) as active:
             return store.list_jobs(active, where)
@@ -370,11 +382,17 @@ class Belay:
         self, job_id: int, payload: Mapping[str, Any], *, conn: Conn | None = None
     ) -> list[int]:
         """Leave steering guidance for a job; its next ``ctx.steering()`` reads it."""
+        if not isinstance(payload, Mapping):
+            raise ValidationError(
+                f"steering is a dict like {{'instruction': '…'}}, got {type(payload).__name__}"
+            )
         return self._deliver(names.job_scope(_job_id(job_id)), names.STEER, payload, conn)
 
     def clear_signal(self, scope: str, name: str, *, conn: Conn | None = None) -> bool:
         """Delete a delivered signal; True when there was one."""
         _check_scope(scope)
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"a signal name is a non-empty string, got {name!r}")
         with self.transaction(conn) as active:
             return store.clear_signal(active, scope, name)
 
@@ -476,9 +494,9 @@ class Belay:
             return self._listener
 
 
-def _job_id(job_id: Any) -> int:
+def _job_id(job_id: Any, *, what: str = "a job id") -> int:
     if isinstance(job_id, bool) or not isinstance(job_id, int):
-        raise ValidationError(f"a job id is an integer, got {job_id!r}")
+        raise ValidationError(f"{what} is an integer job id, got {job_id!r}")
     return job_id
 
 

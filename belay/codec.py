@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,10 @@ def dumps(value: Any, *, what: str = "value") -> bytes:
     try:
         data = orjson.dumps(value, option=_STRICT)
     except TypeError as exc:
+        if "64-bit" in str(exc):
+            # JSON (and jsonb, and the reference's decoder) has no integer
+            # limit; only orjson does. The stdlib writes them exactly.
+            return _dumps_exact(value, what)
         raise ValidationError(
             f"{what} is not JSON-serializable ({exc}); use dicts with str keys, lists, str, "
             "int, float, bool and None"
@@ -55,6 +60,29 @@ def dumps(value: Any, *, what: str = "value") -> bytes:
     if b"null" in data:
         _check_finite(value, what)
     return data
+
+
+def _dumps_exact(value: Any, what: str) -> bytes:
+    """The slow path for integers beyond 64 bits, held to orjson's strictness."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if not all(isinstance(key, str) for key in item):
+                raise ValidationError(f"{what} is not JSON-serializable (a dict key is not a str)")
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif item is not None and not isinstance(item, (str, int, float)):
+            raise ValidationError(
+                f"{what} is not JSON-serializable ({type(item).__name__}); use dicts with str "
+                "keys, lists, str, int, float, bool and None"
+            )
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        raise ValidationError(f"{what} contains a float JSON cannot represent") from None
+    return text.encode()
 
 
 def _check_finite(value: Any, what: str) -> None:
@@ -69,14 +97,17 @@ def _check_finite(value: Any, what: str) -> None:
             stack.extend(item)
 
 
+# orjson reads integers beyond 64 bits as floats, silently losing digits; a
+# run of 19+ digits (2**63 has 19) sends the text to the exact stdlib parser.
+_LONG_NUMBER = re.compile(rb"\d{19}")
+
+
 def loads(data: bytes | bytearray | memoryview | str) -> Any:
-    """Parse JSON; falls back to the stdlib for what orjson refuses (huge integers)."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        if isinstance(data, (bytearray, memoryview)):
-            data = bytes(data)
-        return json.loads(data)
+    """Parse JSON exactly: integers of any size stay integers."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if _LONG_NUMBER.search(raw):
+        return json.loads(raw)
+    return orjson.loads(raw)
 
 
 def dumps_object(value: Any, *, what: str) -> bytes:
@@ -107,5 +138,5 @@ def decode_value(data: bytes | memoryview | None) -> Any:
             return Opaque(raw, f"undecodable Erlang term: {exc}")
     try:
         return loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         return Opaque(raw, f"not JSON: {exc}")

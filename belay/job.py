@@ -1,7 +1,7 @@
 """What reads return: jobs, steps, events, workflow status.
 
-Rows are read by column name, never by position, and columns this version
-does not know are kept aside in ``extra`` (contract §1: additive changes).
+Rows are read by column name, never by position; a column this version does
+not know is ignored (contract §1: changes within a major are additive).
 """
 
 from __future__ import annotations
@@ -62,27 +62,22 @@ class Job:
     finished_at: datetime | None = None
     #: True when enqueue found an existing holder of the unique key (§5.2).
     duplicate: bool = False
-    #: Columns this version of belay does not know, by name.
-    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], *, duplicate: bool = False) -> Job:
         known: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
         for name, value in row.items():
             if name == "result":
                 known["result_envelope"] = None if value is None else bytes(value)
             elif name in _FIELDS:
                 known[name] = value
-            else:
-                extra[name] = value
         for name in ("wf_deps", "wf_ignore", "errors"):
             if known.get(name) is None:
                 known[name] = []
         for name in ("input", "meta"):
             if known.get(name) is None:
                 known[name] = {}
-        return cls(**known, duplicate=duplicate, extra=extra)
+        return cls(**known, duplicate=duplicate)
 
     @property
     def result(self) -> Any:
@@ -108,7 +103,7 @@ class Job:
 _FIELDS: Final = frozenset(
     f.name
     for f in dataclasses.fields(Job)
-    if f.name not in ("result_envelope", "duplicate", "extra")
+    if f.name not in ("result_envelope", "duplicate")
 )
 
 

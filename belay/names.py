@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
+_UNSAFE = re.compile(rb"[^A-Za-z0-9_]")
+_MAX_IDENTIFIER = 63
 
 STEER = "$steer"
 CHILDREN = "$children"
@@ -49,5 +50,10 @@ def spawn_key(parent_id: int, name: str, index: int) -> str:
 
 
 def notify_channel(database: str) -> str:
-    """§9.2: ``belay_`` + the database name, each character outside [A-Za-z0-9_] as ``_``."""
-    return "belay_" + _UNSAFE.sub("_", database)
+    """§9.2: ``belay_`` + the database name with each byte outside [A-Za-z0-9_] as ``_``.
+
+    Bytes, not characters, as the reference's (non-unicode) regex does, so both
+    sides listen on the same channel. Cut to 63 bytes: pg_notify refuses longer
+    channel names, and LISTEN truncates identifiers to that length anyway.
+    """
+    return ("belay_" + _UNSAFE.sub(b"_", database.encode()).decode())[:_MAX_IDENTIFIER]

@@ -81,7 +81,12 @@ class ResultListener:
         backoff = 0.1
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self._conninfo, autocommit=True) as conn:
+                with psycopg.connect(
+                    self._conninfo,
+                    autocommit=True,
+                    application_name="belay-results",
+                    connect_timeout=10,
+                ) as conn:
                     channel = sql.Identifier(self._channel)
                     conn.execute(sql.SQL(QUERIES["listen"]).format(channel=channel))
                     self.listening.set()

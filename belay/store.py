@@ -196,7 +196,8 @@ class Settled:
 def settle_workflow(conn: Conn, workflow_id: str, now: datetime) -> tuple[
     list[dict[str, Any]], list[dict[str, Any]]
 ]:
-    """§8.3 under the workflow lock; returns the released and doomed rows."""
+    """§8.3 under the workflow lock (taking it again when held is harmless);
+    returns the released and doomed rows."""
     lock(conn, names.workflow_lock(workflow_id))
     members = [
         Member(r["id"], r["wf_name"], r["state"], r["wf_deps"] or (), r["wf_ignore"] or ())
@@ -242,10 +243,26 @@ class CancelOutcome:
     settled: Settled
 
 
+def lock_job(conn: Conn, job_id: int) -> Job | None:
+    """Lock a job's row for a change that may settle its workflow.
+
+    Lock order, everywhere: workflow lock, then job rows, then signal-scope
+    locks. Settlement writes other members' rows, so a writer holding one
+    member's row while queueing for the workflow lock would deadlock with a
+    settler. ``workflow_id`` never changes, so reading it unlocked is safe.
+    """
+    job = get_job(conn, job_id)
+    if job is None:
+        return None
+    if job.workflow_id is not None:
+        lock(conn, names.workflow_lock(job.workflow_id))
+    return get_job(conn, job_id, for_update=True)
+
+
 def cancel_job(conn: Conn, job_id: int, now: datetime) -> CancelOutcome | None:
     """§8.6: parked/held → cancelled (+ settlement, parent notify); running →
     cancel_requested. Atomic: run inside a transaction. None when no such job."""
-    job = get_job(conn, job_id, for_update=True)
+    job = lock_job(conn, job_id)
     if job is None:
         return None
     nothing = Settled([], [])
@@ -274,9 +291,8 @@ def retry_job(conn: Conn, job_id: int, now: datetime) -> RetryOutcome | str | No
     """§8.6 operator retry. Returns the outcome, the blocking state (not
     failed/cancelled), or None when no such job. Atomic: run in a transaction.
 
-    Row lock first, then the workflow lock — the order an ack takes them.
     """
-    job = get_job(conn, job_id, for_update=True)
+    job = lock_job(conn, job_id)
     if job is None:
         return None
     if job.state not in ("failed", "cancelled"):

@@ -13,6 +13,7 @@ import json
 import random
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -53,6 +54,13 @@ def insert_job(conn: Conn, **columns: Any) -> int:
     return int(row[0])
 
 
+def awaiting_own_scope(conn: Conn, name: str, **columns: Any) -> int:
+    """A job parked on (job:<its id>, name), as an await in its own code leaves it."""
+    job_id = insert_job(conn, state="awaiting", await_name=name, **columns)
+    conn.execute("UPDATE belay_jobs SET await_scope = 'job:' || id WHERE id = %s", (job_id,))
+    return job_id
+
+
 def member(conn: Conn, workflow_id: str, name: str, state: str, deps: list[str] | None = None,
            ignore: list[str] | None = None, **columns: Any) -> int:
     """A workflow member, as enqueue_workflow (or the reference) writes it."""
@@ -83,8 +91,8 @@ def signal_rows(conn: Conn) -> list[tuple[str, str, Any]]:
 
 
 def channel_for(dbname: str) -> str:
-    """§9.2, spelled out independently of belay.names."""
-    return "belay_" + re.sub(r"[^A-Za-z0-9_]", "_", dbname)
+    """§9.2, spelled out independently of belay.names (cut to Postgres's 63-byte identifiers)."""
+    return ("belay_" + re.sub(r"[^A-Za-z0-9_]", "_", dbname))[:63]
 
 
 class Notifications:
@@ -267,9 +275,7 @@ def test_cancelling_a_member_nobody_depends_on_settles_nothing(client, sql_conn)
 
 def test_a_member_doomed_by_settlement_tells_its_parent(client, sql_conn, clock) -> None:
     """§7 step 2: each settlement-cancelled job with a parent_id sends $children."""
-    parent = insert_job(sql_conn, state="awaiting", await_name="$children", queue="parents")
-    sql_conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s",
-                     (f"job:{parent}", parent))
+    parent = awaiting_own_scope(sql_conn, "$children", queue="parents")
     a = member(sql_conn, "flow-4", "a", "ready")
     b = member(sql_conn, "flow-4", "b", "held", ["a"], parent_id=parent)
     now = clock.advance(2)
@@ -288,10 +294,8 @@ def test_a_member_doomed_by_settlement_tells_its_parent(client, sql_conn, clock)
 def test_cancelling_a_child_wakes_a_parent_awaiting_its_children(
     client, sql_conn, clock, notes
 ) -> None:
-    parent = insert_job(sql_conn, state="awaiting", await_name="$children", queue="parents",
-                        ready_at=START + timedelta(hours=1))
-    sql_conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s",
-                     (f"job:{parent}", parent))
+    parent = awaiting_own_scope(sql_conn, "$children", queue="parents",
+                                ready_at=START + timedelta(hours=1))
     child = insert_job(sql_conn, state="ready", parent_id=parent, queue="children")
     sibling = insert_job(sql_conn, state="running", attempt=1, parent_id=parent)
     now = clock.advance(9)
@@ -319,9 +323,7 @@ def test_cancelling_a_child_signals_a_parent_that_is_not_awaiting_yet(client, sq
 
 
 def test_a_parent_awaiting_something_else_is_not_woken(client, sql_conn) -> None:
-    parent = insert_job(sql_conn, state="awaiting", await_name="approval")
-    sql_conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s",
-                     (f"job:{parent}", parent))
+    parent = awaiting_own_scope(sql_conn, "approval")
     child = insert_job(sql_conn, state="ready", parent_id=parent)
 
     client.cancel_job(child)
@@ -491,6 +493,61 @@ def test_retry_then_cancel_then_retry_round_trips(client, sql_conn, clock) -> No
 # -- §7 lock order under concurrency -------------------------------------------------------------
 
 
+def advisory_waiters(conn: Conn) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
+        "WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def wait_until(predicate: Any, what: str, timeout: float = 10.0) -> None:
+    """Poll for a condition no event can announce (a backend blocked on a lock)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.01)
+
+
+def test_cancels_queued_on_the_workflow_lock_do_not_deadlock(client, db_url, sql_conn) -> None:
+    """A deterministic interleaving of the race below.
+
+    An unrelated cancel holds the workflow lock; then "cancel a" and "cancel b"
+    queue behind it (in that order — Postgres grants lock waiters first come,
+    first served). Cancelling a dooms b, whose row the second cancel must not be
+    holding while it waits for the workflow lock.
+    """
+    a = member(sql_conn, "wf", "a", "ready")
+    b = member(sql_conn, "wf", "b", "held", ["a"])
+    c = member(sql_conn, "wf", "c", "ready")
+    errors: list[BaseException] = []
+
+    def cancel(job_id: int) -> None:
+        try:
+            client.cancel_job(job_id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=cancel, args=(job_id,)) for job_id in (a, b)]
+    with psycopg.connect(db_url) as conn:
+        with conn.transaction():
+            assert client.cancel_job(c, conn=conn) == "cancelled"  # holds the workflow lock
+            threads[0].start()
+            wait_until(lambda: advisory_waiters(sql_conn) == 1, "cancel(a) queues")
+            threads[1].start()
+            wait_until(lambda: advisory_waiters(sql_conn) == 2, "cancel(b) queues")
+        for thread in threads:
+            thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    if errors:
+        raise errors[0]
+    assert states(sql_conn, {"a": a, "b": b, "c": c}) == {
+        "a": "cancelled", "b": "cancelled", "c": "cancelled",
+    }
+
+
 def test_concurrent_cancel_and_retry_of_workflow_members_never_deadlock(
     client, db_url, sql_conn
 ) -> None:
@@ -547,9 +604,7 @@ def test_concurrent_cancel_and_retry_of_workflow_members_never_deadlock(
 def test_cancel_in_a_rolled_back_transaction_changes_nothing(
     client, db_url, sql_conn, notes
 ) -> None:
-    parent = insert_job(sql_conn, state="awaiting", await_name="$children")
-    sql_conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s",
-                     (f"job:{parent}", parent))
+    parent = awaiting_own_scope(sql_conn, "$children")
     a = member(sql_conn, "wf", "a", "ready", parent_id=parent)
     b = member(sql_conn, "wf", "b", "held", ["a"])
     before = all_jobs(sql_conn)

@@ -149,3 +149,10 @@ def test_reads_and_writes_on_an_autocommit_caller_connection(client, db_url):
     with psycopg.connect(db_url, autocommit=True) as conn:
         job = client.enqueue("k", conn=conn)
         assert client.get_job(job.id, conn=conn) == job
+
+
+def test_an_unreachable_server_fails_fast_with_the_real_error():
+    with belay.Belay("postgresql://127.0.0.1:1/nothing") as client, pytest.raises(
+        psycopg.OperationalError, match="refused"
+    ):
+        client.get_job(1)

@@ -275,7 +275,9 @@ def test_enqueue_many_refuses_unknown_keys_in_dicts(client, sql_conn):
         ({"input": {1: "int key"}}, "not JSON-serializable"),
         ({"input": {"x": float("nan")}}, "JSON cannot represent"),
         ({"input": {"x": [1, {"y": float("inf")}]}}, "JSON cannot represent"),
-        ({"input": {"x": 2**70}}, "not JSON-serializable"),
+        ({"input": {"x": [{2**70: 1}]}}, "not JSON-serializable"),
+        ({"input": {"x": 2**70, "y": {1, 2}}}, "not JSON-serializable"),
+        ({"input": {"x": 2**70, "y": float("nan")}}, "JSON cannot represent"),
         ({"input": [1, 2]}, "input must be a dict"),
         ({"meta": "x"}, "meta must be a dict"),
         ({"budget": {"usd": -1}}, ">= 0"),
@@ -306,6 +308,15 @@ def test_bad_input_is_refused_before_any_sql(client, sql_conn, kwargs, message):
     with pytest.raises(ValidationError, match=message):
         client.enqueue("k", **kwargs)
     assert count_jobs(sql_conn) == 0
+
+
+def test_integers_beyond_64_bits_are_stored_exactly(client, sql_conn):
+    job = client.enqueue("k", {"big": 2**70, "neg": -(2**64), "nested": [{"n": 10**30}]})
+    assert job.input == {"big": 2**70, "neg": -(2**64), "nested": [{"n": 10**30}]}
+    row = sql_conn.execute(
+        "SELECT input->>'big' FROM belay_jobs WHERE id = %s", (job.id,)
+    ).fetchone()
+    assert row is not None and row[0] == str(2**70)
 
 
 def test_bad_kind_is_refused(client):
@@ -370,11 +381,26 @@ def test_enqueue_commits_with_the_callers_transaction_and_pokes_once_per_queue(
     listener.close()
 
 
-def test_enqueue_on_an_idle_caller_connection_commits_its_own_transaction(client, db_url, sql_conn):
+def test_enqueue_as_the_first_statement_belongs_to_the_callers_transaction(
+    client, db_url, sql_conn
+):
+    """psycopg opens a transaction at the first statement; it is the caller's to end."""
     with psycopg.connect(db_url) as conn:
         client.enqueue("k", conn=conn)
-        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        conn.rollback()
+    assert count_jobs(sql_conn) == 0
+    with psycopg.connect(db_url) as conn:
+        client.enqueue("k", conn=conn)
+    # Leaving `with psycopg.connect()` commits, as psycopg always does.
     assert count_jobs(sql_conn) == 1
+
+
+def test_enqueue_on_an_autocommit_caller_connection_commits_at_once(client, db_url, sql_conn):
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        client.enqueue_many([JobSpec("a"), JobSpec("b")], conn=conn)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert count_jobs(sql_conn) == 2
 
 
 def test_enqueue_refuses_a_failed_transaction(client, db_url):

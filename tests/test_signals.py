@@ -48,6 +48,13 @@ def insert_job(conn: Conn, **columns: Any) -> int:
     return int(row[0])
 
 
+def awaiting_own_scope(conn: Conn, name: str, **columns: Any) -> int:
+    """A job parked on (job:<its id>, name), as an await in its own code leaves it."""
+    job_id = insert_job(conn, state="awaiting", await_name=name, **columns)
+    conn.execute("UPDATE belay_jobs SET await_scope = 'job:' || id WHERE id = %s", (job_id,))
+    return job_id
+
+
 def running_job(conn: Conn, **columns: Any) -> int:
     """A job claimed once: running, attempt 1, under a lease."""
     defaults: dict[str, Any] = {
@@ -73,8 +80,8 @@ def signal_rows(conn: Conn) -> list[dict[str, Any]]:
 
 
 def channel_for(dbname: str) -> str:
-    """§9.2, spelled out independently of belay.names."""
-    return "belay_" + re.sub(r"[^A-Za-z0-9_]", "_", dbname)
+    """§9.2, spelled out independently of belay.names (cut to Postgres's 63-byte identifiers)."""
+    return ("belay_" + re.sub(r"[^A-Za-z0-9_]", "_", dbname))[:63]
 
 
 class Notifications:
@@ -230,12 +237,40 @@ def test_client_with_notify_off_wakes_without_poking(db_url, clock, sql_conn, no
     assert notes.received() == []
 
 
+@pytest.fixture
+def long_db_url(server_url: str, template_db: str) -> Iterator[str]:
+    """A fresh migrated database whose name has Postgres's maximum length (63 bytes)."""
+    name = f"belay_t_long_{uuid.uuid4().hex}"
+    name += "x" * (63 - len(name))
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template_db)))
+    try:
+        yield psycopg.conninfo.make_conninfo(server_url, dbname=name)
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+
+
+def test_wakes_poke_in_a_database_with_a_long_name(long_db_url, clock) -> None:
+    with psycopg.connect(long_db_url, autocommit=True) as conn:
+        assert len(conn.info.dbname) == 63
+        job = insert_job(conn, state="awaiting", await_scope="wf:x", await_name="go", queue="q")
+    notes = Notifications(long_db_url)
+    try:
+        with belay.Belay(long_db_url, clock=clock) as instance:
+            assert instance.signal("wf:x", "go") == [job]
+        assert notes.received() == [{"t": "p", "q": "q"}]
+    finally:
+        notes.close()
+
+
 # -- signal_job, steer_job, validation -------------------------------------------------------
 
 
 def test_signal_job_uses_the_job_scope_and_wakes_it(client, sql_conn, clock) -> None:
-    job = insert_job(sql_conn, state="awaiting", await_scope="placeholder", await_name="approve")
-    sql_conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s", (f"job:{job}", job))
+    job = awaiting_own_scope(sql_conn, "approve")
     now = clock.advance(5)
 
     assert client.signal_job(job, "approve", {"by": "ops"}) == [job]
@@ -259,16 +294,14 @@ def test_steer_job_writes_the_reserved_steer_name(client, sql_conn) -> None:
 
 
 def test_steer_job_wakes_a_job_awaiting_steering(client, sql_conn) -> None:
-    job = insert_job(sql_conn, state="awaiting", await_name="$steer")
-    sql_conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s", (f"job:{job}", job))
+    job = awaiting_own_scope(sql_conn, "$steer")
     assert client.steer_job(job, {"hint": "go on"}) == [job]
     assert job_row(sql_conn, job)["state"] == "ready"
 
 
 @pytest.mark.parametrize("name", ["$steer", "$children", "$anything"])
 def test_reserved_signal_names_are_refused_and_nothing_is_written(client, sql_conn, name) -> None:
-    job = insert_job(sql_conn, state="awaiting", await_name=name)
-    sql_conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s", (f"job:{job}", job))
+    job = awaiting_own_scope(sql_conn, name)
 
     with pytest.raises(belay.ValidationError, match="reserved"):
         client.signal_job(job, name, {"x": 1})
@@ -311,11 +344,16 @@ def test_a_payload_that_is_not_a_json_object_is_refused(client, sql_conn, payloa
 def test_a_missing_payload_is_stored_as_an_empty_object(client, sql_conn) -> None:
     client.signal("wf:x", "go")
     client.signal_job(1, "approve", None)
-    client.steer_job(2, None)  # type: ignore[arg-type]
 
     assert {(r["scope"], r["name"]): r["payload"] for r in signal_rows(sql_conn)} == {
-        ("wf:x", "go"): {}, ("job:1", "approve"): {}, ("job:2", "$steer"): {},
+        ("wf:x", "go"): {}, ("job:1", "approve"): {},
     }
+
+
+def test_steering_needs_a_dict(client, sql_conn) -> None:
+    with pytest.raises(belay.ValidationError, match="steering is a dict"):
+        client.steer_job(2, None)  # type: ignore[arg-type]
+    assert signal_rows(sql_conn) == []
 
 
 @pytest.mark.parametrize("job_id", ["1", 1.0, True, None])
@@ -579,8 +617,7 @@ def test_park_waits_for_an_open_delivery_then_sees_its_signal(
 def test_signal_in_a_rolled_back_transaction_leaves_no_trace(
     client, db_url, sql_conn, notes
 ) -> None:
-    job = insert_job(sql_conn, state="awaiting", await_name="go")
-    sql_conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s", (f"job:{job}", job))
+    job = awaiting_own_scope(sql_conn, "go")
 
     with psycopg.connect(db_url) as conn, conn.transaction(force_rollback=True):
         assert client.signal_job(job, "go", {"x": 1}, conn=conn) == [job]
@@ -596,8 +633,7 @@ def test_signal_in_a_rolled_back_transaction_leaves_no_trace(
 def test_signal_in_a_committed_transaction_lands_on_commit(
     client, db_url, sql_conn, notes, clock
 ) -> None:
-    job = insert_job(sql_conn, state="awaiting", await_name="go", queue="inbox")
-    sql_conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s", (f"job:{job}", job))
+    job = awaiting_own_scope(sql_conn, "go", queue="inbox")
     now = clock.advance(1)
 
     with psycopg.connect(db_url) as conn:

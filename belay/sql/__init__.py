@@ -30,7 +30,14 @@ def _parse(text: str) -> dict[str, LiteralString]:
         if name in queries:
             raise RuntimeError(f"duplicate query name {name!r} in queries.sql")
         queries[name] = _literal(statement)
-    return queries
+    # A macro, not a statement: the column list of every job read.
+    columns = " ".join(
+        line for line in queries.pop("job_columns").splitlines() if not line.startswith("--")
+    )
+    return {
+        name: _literal(statement.replace("{job_columns}", columns))
+        for name, statement in queries.items()
+    }
 
 
 QUERIES: dict[str, LiteralString] = _parse(

@@ -1,6 +1,17 @@
 -- Every statement belay runs lives in this file, as named blocks ("-- name: x").
 -- Contract rule (§2): SQL never calls now(); "now" is always a bind parameter.
 
+-- name: job_columns
+-- Every job read names its columns (expanded into "{job_columns}" below), never
+-- "*": a column added by a newer revision (§1, additive) then changes nothing
+-- here, where "*" would break every prepared statement on live connections
+-- ("cached plan must not change result type").
+id, kind, queue, state, input, meta, priority, attempt, max_attempts, partition_key,
+ready_at, lease_until, leased_by, await_scope, await_name, workflow_id, wf_name, wf_deps,
+wf_ignore, cron_name, cron_slot, unique_key, unique_mode, parent_id, budget_usd_micros,
+budget_tokens, spent_usd_micros, spent_tokens, result, errors, cancel_requested,
+inserted_at, started_at, finished_at
+
 -- name: advisory_xact_lock
 -- Keys are built by belay.locks so every lock name has one spelling.
 SELECT pg_advisory_xact_lock(hashtext(%s));
@@ -59,16 +70,16 @@ FROM unnest(
 )
 ORDER BY r.ord
 ON CONFLICT DO NOTHING
-RETURNING *;
+RETURNING {job_columns};
 
 -- name: jobs_by_unique_keys
 -- §5.2: the holder of a key is its newest row.
-SELECT DISTINCT ON (unique_key) * FROM belay_jobs
+SELECT DISTINCT ON (unique_key) {job_columns} FROM belay_jobs
 WHERE unique_key = ANY(%s::text[])
 ORDER BY unique_key, id DESC;
 
 -- name: jobs_by_cron_slots
-SELECT * FROM belay_jobs
+SELECT {job_columns} FROM belay_jobs
 WHERE (cron_name, cron_slot) IN (
   SELECT * FROM unnest(%s::text[], %s::timestamptz[])
 );
@@ -79,14 +90,14 @@ WHERE (cron_name, cron_slot) IN (
 SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p;
 
 -- name: get_job
-SELECT * FROM belay_jobs WHERE id = %s;
+SELECT {job_columns} FROM belay_jobs WHERE id = %s;
 
 -- name: get_job_for_update
-SELECT * FROM belay_jobs WHERE id = %s FOR UPDATE;
+SELECT {job_columns} FROM belay_jobs WHERE id = %s FOR UPDATE;
 
 -- name: list_jobs
 -- Newest first; a NULL filter matches everything. before_id pages backwards.
-SELECT * FROM belay_jobs
+SELECT {job_columns} FROM belay_jobs
 WHERE (%(queue)s::text IS NULL OR queue = %(queue)s::text)
   AND (%(state)s::text IS NULL OR state = %(state)s::text)
   AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
@@ -97,7 +108,7 @@ ORDER BY id DESC
 LIMIT %(limit)s;
 
 -- name: workflow_jobs
-SELECT * FROM belay_jobs WHERE workflow_id = %s ORDER BY id;
+SELECT {job_columns} FROM belay_jobs WHERE workflow_id = %s ORDER BY id;
 
 -- name: queue_stats
 SELECT queue, state, count(*) AS count,
@@ -144,7 +155,7 @@ UPDATE belay_jobs
 SET state = 'cancelled', errors = errors || jsonb_build_array(%(error)s::jsonb),
     finished_at = %(now)s, lease_until = NULL, leased_by = NULL
 WHERE id = %(id)s AND state = %(state)s
-RETURNING *;
+RETURNING {job_columns};
 
 -- name: retry_job
 -- §8.6: failed|cancelled → ready (or held for dep-bearing workflow members,
@@ -155,7 +166,7 @@ SET state = %(target)s, ready_at = %(now)s, cancel_requested = false,
     max_attempts = GREATEST(max_attempts, attempt + 1),
     lease_until = NULL, leased_by = NULL, finished_at = NULL
 WHERE id = %(id)s AND state IN ('failed', 'cancelled')
-RETURNING *;
+RETURNING {job_columns};
 
 -- name: workflow_members
 -- The settle input: every member's name, state and dependency lists.
