@@ -96,7 +96,6 @@ class Belay:
         self._application_name = application_name
         self._verify = verify_schema
         self._verified = False
-        self._channel: str | None = None
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._listener: ResultListener | None = None

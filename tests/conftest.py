@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import os
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -22,8 +21,7 @@ from psycopg import sql
 import belay
 from belay import ManualClock
 from belay.embedded import embedded_server
-
-START = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
+from tests.helpers import START, Notifications, url_for
 
 
 def _docker_answers() -> bool:
@@ -54,10 +52,6 @@ def _server() -> Iterator[str]:
         return
     with embedded_server() as url:
         yield url
-
-
-def url_for(server_url: str, dbname: str) -> str:
-    return psycopg.conninfo.make_conninfo(server_url, dbname=dbname)
 
 
 @pytest.fixture(scope="session")
@@ -135,3 +129,23 @@ def sql_conn(db_url: str) -> Iterator[psycopg.Connection[Any]]:
     """A plain autocommit connection to the test database, for raw SQL."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         yield conn
+
+
+@pytest.fixture
+def notes(db_url: str) -> Iterator[Notifications]:
+    """A listener on the test database's belay channel (§9.2)."""
+    listener = Notifications(db_url)
+    try:
+        yield listener
+    finally:
+        listener.close()
+
+
+@pytest.fixture
+def restore_default() -> Iterator[None]:
+    """Close and forget the module-level default instance a test configured."""
+    yield
+    with belay._default_lock:
+        previous, belay._default = belay._default, None
+    if previous is not None:
+        previous.close()

@@ -7,58 +7,37 @@ envelope is bytea — JSON, or Erlang ETF when the Elixir reference wrote it.
 from __future__ import annotations
 
 import json
-import re
 import struct
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 from psycopg.types.json import Jsonb
 
 import belay
 from belay.notify import ResultListener
+from tests.helpers import (
+    START,
+    VECTORS_PATH,
+    Conn,
+    channel_for,
+    from_expected,
+    insert_job,
+    notify,
+    wait_until,
+)
 
-Conn = psycopg.Connection[Any]
-
-START = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)  # the clock fixture's start
-VECTORS_PATH = Path(__file__).parent / "fixtures" / "etf" / "vectors.json"
 THREAD_NAME = "belay-results"
 
 
 # -- helpers -----------------------------------------------------------------------------
 
 
-def insert_job(conn: Conn, **columns: Any) -> int:
-    values = {"kind": "test.kind", "queue": "default", "state": "ready", "inserted_at": START}
-    values.update(columns)
-    if "errors" in values:
-        values["errors"] = Jsonb(values["errors"])
-    query = sql.SQL("INSERT INTO belay_jobs ({}) VALUES ({}) RETURNING id").format(
-        sql.SQL(", ").join(map(sql.Identifier, values)),
-        sql.SQL(", ").join(sql.Placeholder() * len(values)),
-    )
-    row = conn.execute(query, list(values.values())).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def finished(conn: Conn, result: bytes | None) -> int:
     return insert_job(conn, state="succeeded", attempt=1, result=result, finished_at=START)
-
-
-def channel_for(dbname: str) -> str:
-    """§9.2, spelled out independently of belay.names (cut to Postgres's 63-byte identifiers)."""
-    return ("belay_" + re.sub(r"[^A-Za-z0-9_]", "_", dbname))[:63]
-
-
-def notify(conn: Conn, payload: str) -> None:
-    conn.execute("SELECT pg_notify(%s, %s)", (channel_for(conn.info.dbname), payload))
 
 
 def listener_threads() -> set[threading.Thread]:
@@ -95,14 +74,6 @@ class Waiter:
         return self.value
 
 
-def wait_until(predicate: Any, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.005)
-
-
 # -- finished jobs -----------------------------------------------------------------------------
 
 
@@ -122,29 +93,6 @@ def test_a_succeeded_job_returns_its_decoded_json_result(client, sql_conn, value
 @pytest.mark.parametrize("result", [None, b"null"], ids=["sql-null", "json-null"])
 def test_a_succeeded_job_without_a_value_returns_none(client, sql_conn, result) -> None:
     assert client.await_result(finished(sql_conn, result), timeout=5) is None
-
-
-def from_expected(spec: Any) -> Any:
-    """The tagged JSON of vectors.json → the Python value (see tests/test_etf.py)."""
-    if spec is None or isinstance(spec, (bool, int, str)):
-        return spec
-    if isinstance(spec, list):
-        return [from_expected(item) for item in spec]
-    ((tag, body),) = spec.items()
-    if tag == "int":
-        return int(body)
-    if tag == "float":
-        return float(body)
-    if tag == "bytes_hex":
-        return bytes.fromhex(body)
-    if tag == "tuple":
-        return tuple(from_expected(item) for item in body)
-    if tag == "list_repeat":
-        item, count = body
-        return [from_expected(item) for _ in range(count)]
-    if tag == "map":
-        return {from_expected(k): from_expected(v) for k, v in body}
-    raise AssertionError(f"unknown expected tag {tag!r}")
 
 
 def same(actual: Any, expected: Any) -> bool:

@@ -9,28 +9,28 @@ reference (or a worker not written yet) would leave them.
 from __future__ import annotations
 
 import contextlib
-import json
 import random
-import re
 import threading
-import time
-import uuid
-from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 
 import belay
 from belay.settle import Member, settle
+from tests.helpers import (
+    START,
+    Conn,
+    advisory_waiters,
+    awaiting_own_scope,
+    insert_job,
+    job_row,
+    signal_rows,
+    wait_until,
+)
 
-Conn = psycopg.Connection[Any]
-
-START = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)  # the clock fixture's start
 NON_TERMINAL_PARKED = ["ready", "awaiting", "held", "paused"]
 TERMINAL = ["succeeded", "failed", "cancelled"]
 
@@ -38,41 +38,11 @@ TERMINAL = ["succeeded", "failed", "cancelled"]
 # -- helpers -----------------------------------------------------------------------------
 
 
-def insert_job(conn: Conn, **columns: Any) -> int:
-    """Insert a belay_jobs row with plain SQL (the part of a foreign SDK / operator)."""
-    values = {"kind": "test.kind", "queue": "default", "state": "ready", "inserted_at": START}
-    values.update(columns)
-    for name in ("errors", "input", "meta"):
-        if name in values:
-            values[name] = Jsonb(values[name])
-    query = sql.SQL("INSERT INTO belay_jobs ({}) VALUES ({}) RETURNING id").format(
-        sql.SQL(", ").join(map(sql.Identifier, values)),
-        sql.SQL(", ").join(sql.Placeholder() * len(values)),
-    )
-    row = conn.execute(query, list(values.values())).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def awaiting_own_scope(conn: Conn, name: str, **columns: Any) -> int:
-    """A job parked on (job:<its id>, name), as an await in its own code leaves it."""
-    job_id = insert_job(conn, state="awaiting", await_name=name, **columns)
-    conn.execute("UPDATE belay_jobs SET await_scope = 'job:' || id WHERE id = %s", (job_id,))
-    return job_id
-
-
 def member(conn: Conn, workflow_id: str, name: str, state: str, deps: list[str] | None = None,
            ignore: list[str] | None = None, **columns: Any) -> int:
     """A workflow member, as enqueue_workflow (or the reference) writes it."""
     return insert_job(conn, workflow_id=workflow_id, wf_name=name, state=state,
                       wf_deps=deps or [], wf_ignore=ignore or [], **columns)
-
-
-def job_row(conn: Conn, job_id: int) -> dict[str, Any]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute("SELECT * FROM belay_jobs WHERE id = %s", (job_id,)).fetchone()
-    assert row is not None
-    return row
 
 
 def all_jobs(conn: Conn) -> list[dict[str, Any]]:
@@ -84,50 +54,9 @@ def states(conn: Conn, ids: dict[str, int]) -> dict[str, str]:
     return {name: job_row(conn, job_id)["state"] for name, job_id in ids.items()}
 
 
-def signal_rows(conn: Conn) -> list[tuple[str, str, Any]]:
-    return [tuple(r) for r in conn.execute(  # type: ignore[misc]
-        "SELECT scope, name, payload FROM belay_signals ORDER BY scope, name"
-    ).fetchall()]
-
-
-def channel_for(dbname: str) -> str:
-    """§9.2, spelled out independently of belay.names (cut to Postgres's 63-byte identifiers)."""
-    return ("belay_" + re.sub(r"[^A-Za-z0-9_]", "_", dbname))[:63]
-
-
-class Notifications:
-    """A LISTEN connection of its own, as another process would hold it."""
-
-    def __init__(self, db_url: str) -> None:
-        self.url = db_url
-        self.conn = psycopg.connect(db_url, autocommit=True)
-        self.channel = channel_for(self.conn.info.dbname)
-        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-
-    def received(self) -> list[Any]:
-        """Every notification committed so far, in order (ended by a sentinel of ours,
-        which Postgres delivers after everything committed before it)."""
-        token = f"sentinel-{uuid.uuid4()}"
-        with psycopg.connect(self.url, autocommit=True) as other:
-            other.execute("SELECT pg_notify(%s, %s)", (self.channel, token))
-        seen: list[Any] = []
-        for note in self.conn.notifies(timeout=10):
-            if note.payload == token:
-                return seen
-            seen.append(json.loads(note.payload))
-        raise AssertionError("the sentinel notification never arrived")
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-@pytest.fixture
-def notes(db_url: str) -> Iterator[Notifications]:
-    listener = Notifications(db_url)
-    try:
-        yield listener
-    finally:
-        listener.close()
+def signal_triples(conn: Conn) -> list[tuple[str, str, Any]]:
+    """(scope, name, payload) of every belay_signals row, by scope and name."""
+    return [(r["scope"], r["name"], r["payload"]) for r in signal_rows(conn)]
 
 
 def results(received: list[Any]) -> set[int]:
@@ -283,7 +212,7 @@ def test_a_member_doomed_by_settlement_tells_its_parent(client, sql_conn, clock)
     client.cancel_job(a)
 
     assert job_row(sql_conn, b)["state"] == "cancelled"
-    assert signal_rows(sql_conn) == [(f"job:{parent}", "$children", {})]
+    assert signal_triples(sql_conn) == [(f"job:{parent}", "$children", {})]
     row = job_row(sql_conn, parent)
     assert (row["state"], row["ready_at"], row["await_name"]) == ("ready", now, None)
 
@@ -302,7 +231,7 @@ def test_cancelling_a_child_wakes_a_parent_awaiting_its_children(
 
     assert client.cancel_job(child) == "cancelled"
 
-    assert signal_rows(sql_conn) == [(f"job:{parent}", "$children", {})]
+    assert signal_triples(sql_conn) == [(f"job:{parent}", "$children", {})]
     row = job_row(sql_conn, parent)
     assert (row["state"], row["ready_at"], row["await_scope"]) == ("ready", now, None)
     assert job_row(sql_conn, sibling)["state"] == "running"  # never gated on siblings (R1)
@@ -318,7 +247,7 @@ def test_cancelling_a_child_signals_a_parent_that_is_not_awaiting_yet(client, sq
 
     client.cancel_job(child)
 
-    assert signal_rows(sql_conn) == [(f"job:{parent}", "$children", {})]
+    assert signal_triples(sql_conn) == [(f"job:{parent}", "$children", {})]
     assert job_row(sql_conn, parent)["state"] == "running"
 
 
@@ -339,7 +268,7 @@ def test_a_requested_or_noop_cancel_does_not_signal_the_parent(client, sql_conn)
     assert client.cancel_job(running) == "requested"
     assert client.cancel_job(done) == "noop"
 
-    assert signal_rows(sql_conn) == []
+    assert signal_triples(sql_conn) == []
 
 
 # -- §8.6 retry ---------------------------------------------------------------------------------
@@ -493,24 +422,6 @@ def test_retry_then_cancel_then_retry_round_trips(client, sql_conn, clock) -> No
 # -- §7 lock order under concurrency -------------------------------------------------------------
 
 
-def advisory_waiters(conn: Conn) -> int:
-    row = conn.execute(
-        "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
-        "WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def wait_until(predicate: Any, what: str, timeout: float = 10.0) -> None:
-    """Poll for a condition no event can announce (a backend blocked on a lock)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.01)
-
-
 def test_cancels_queued_on_the_workflow_lock_do_not_deadlock(client, db_url, sql_conn) -> None:
     """A deterministic interleaving of the race below.
 
@@ -535,9 +446,9 @@ def test_cancels_queued_on_the_workflow_lock_do_not_deadlock(client, db_url, sql
         with conn.transaction():
             assert client.cancel_job(c, conn=conn) == "cancelled"  # holds the workflow lock
             threads[0].start()
-            wait_until(lambda: advisory_waiters(sql_conn) == 1, "cancel(a) queues")
+            wait_until(lambda: advisory_waiters(sql_conn) == 1, "cancel(a) queues", timeout=10.0)
             threads[1].start()
-            wait_until(lambda: advisory_waiters(sql_conn) == 2, "cancel(b) queues")
+            wait_until(lambda: advisory_waiters(sql_conn) == 2, "cancel(b) queues", timeout=10.0)
         for thread in threads:
             thread.join(30)
     assert not any(thread.is_alive() for thread in threads)
@@ -614,7 +525,7 @@ def test_cancel_in_a_rolled_back_transaction_changes_nothing(
         assert job_row(conn, b)["state"] == "cancelled"  # seen inside the transaction only
 
     assert all_jobs(sql_conn) == before
-    assert signal_rows(sql_conn) == []
+    assert signal_triples(sql_conn) == []
     assert notes.received() == []
 
 

@@ -54,15 +54,6 @@ def test_constructing_a_client_does_not_connect():
     client.close()
 
 
-@pytest.fixture
-def restore_default():
-    yield
-    with belay._default_lock:
-        previous, belay._default = belay._default, None
-    if previous is not None:
-        previous.close()
-
-
 def test_module_functions_need_configuration(monkeypatch, restore_default):
     monkeypatch.delenv("BELAY_DATABASE_URL", raising=False)
     with pytest.raises(ConfigurationError, match=r"belay\.configure"):

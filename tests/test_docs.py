@@ -7,20 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import belay
-
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 PAGES = sorted(p for p in DOCS.glob("*.md") if BLOCK.search(p.read_text()))
-
-
-@pytest.fixture
-def restore_default():
-    yield
-    with belay._default_lock:
-        previous, belay._default = belay._default, None
-    if previous is not None:
-        previous.close()
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])

@@ -12,28 +12,14 @@ import pytest
 
 import belay
 from belay import JobSpec, Unique, ValidationError
-from tests.conftest import START
-
-
-def count_jobs(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute("SELECT count(*) FROM belay_jobs").fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def raw_row(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:
-    cur = conn.cursor(row_factory=psycopg.rows.dict_row)
-    row = cur.execute("SELECT * FROM belay_jobs WHERE id = %s", (job_id,)).fetchone()
-    assert row is not None
-    return row
-
+from tests.helpers import START, count_jobs, job_row
 
 # -- §5.1 row defaults -----------------------------------------------------------
 
 
 def test_new_row_gets_the_contract_defaults(client, sql_conn):
     job = client.enqueue("myapp.send_email", {"user_id": 42})
-    row = raw_row(sql_conn, job.id)
+    row = job_row(sql_conn, job.id)
     assert row["kind"] == "myapp.send_email"
     assert row["queue"] == "default"
     assert row["state"] == "ready"
@@ -56,7 +42,7 @@ def test_new_row_gets_the_contract_defaults(client, sql_conn):
 def test_now_comes_from_the_injected_clock(client, clock, sql_conn):
     clock.advance(3600)
     job = client.enqueue("k")
-    assert raw_row(sql_conn, job.id)["inserted_at"] == START + timedelta(hours=1)
+    assert job_row(sql_conn, job.id)["inserted_at"] == START + timedelta(hours=1)
 
 
 def test_options_land_in_their_columns(client, sql_conn):
@@ -71,7 +57,7 @@ def test_options_land_in_their_columns(client, sql_conn):
         meta={"trace": "abc", "nested": {"k": [1, 2]}},
         partition_key="tenant-7",
     )
-    row = raw_row(sql_conn, job.id)
+    row = job_row(sql_conn, job.id)
     assert row["queue"] == "mailers"
     assert row["priority"] == 3
     assert row["ready_at"] == START + timedelta(seconds=30)
@@ -87,7 +73,7 @@ def test_options_land_in_their_columns(client, sql_conn):
 def test_run_at_schedules_at_an_aware_time(client, sql_conn):
     at = datetime(2026, 3, 2, 9, 30, tzinfo=timezone(timedelta(hours=2)))
     job = client.enqueue("k", run_at=at)
-    assert raw_row(sql_conn, job.id)["ready_at"] == at
+    assert job_row(sql_conn, job.id)["ready_at"] == at
     assert job.ready_at == at
 
 

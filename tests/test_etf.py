@@ -8,14 +8,12 @@ test-only encoder, fuzzing, mutation and truncation.  Nothing here needs Erlang 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import random
 import struct
 import tracemalloc
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -23,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from belay.etf import MAX_DEPTH, MAX_UNCOMPRESSED_SIZE, EtfDecodeError, decode_etf
+from tests.helpers import etf_vectors, from_expected
 
-VECTORS_PATH = Path(__file__).parent / "fixtures" / "etf" / "vectors.json"
-VECTORS: list[dict[str, Any]] = json.loads(VECTORS_PATH.read_text(encoding="ascii"))
+VECTORS = etf_vectors()
 
 # No example database: it would litter the shared work tree with a .hypothesis directory.
 PROPERTY = settings(database=None, max_examples=300, deadline=None)
@@ -38,32 +36,6 @@ FUZZ = settings(
 
 
 # --- expected-value plumbing ----------------------------------------------------------------
-
-
-def from_expected(spec: Any) -> object:
-    """Turn the tagged JSON of vectors.json into the Python value decode_etf must return."""
-    if spec is None or isinstance(spec, (bool, int, str)):
-        return spec
-    if isinstance(spec, list):
-        return [from_expected(item) for item in spec]
-    assert isinstance(spec, dict) and len(spec) == 1, spec
-    ((tag, body),) = spec.items()
-    if tag == "int":
-        return int(body)
-    if tag == "float":
-        return float(body)
-    if tag == "bytes_hex":
-        return bytes.fromhex(body)
-    if tag == "tuple":
-        return tuple(from_expected(item) for item in body)
-    if tag == "list_repeat":
-        item, count = body
-        return [from_expected(item) for _ in range(count)]
-    if tag == "map":
-        result = {from_expected(k): from_expected(v) for k, v in body}
-        assert len(result) == len(body), "fixture map keys collide in Python"
-        return result
-    raise AssertionError(f"unknown expected tag {tag!r}")
 
 
 def assert_same(actual: object, expected: object, path: str = "$") -> None:

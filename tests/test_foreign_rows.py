@@ -18,7 +18,6 @@ import json
 import threading
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -31,15 +30,9 @@ from psycopg.types.json import Jsonb
 from belay import Belay, JobCancelled, JobFailed, ManualClock, Opaque, Unique
 from belay.codec import ETF_VERSION, encode_value
 from belay.names import notify_channel
+from tests.helpers import Conn, count_jobs, etf_by_name, job_row
 
-Conn = psycopg.Connection[Any]
-
-ETF = {
-    v["name"]: bytes.fromhex(v["etf_hex"])
-    for v in json.loads(
-        (Path(__file__).parent / "fixtures" / "etf" / "vectors.json").read_text("ascii")
-    )
-}
+ETF = etf_by_name()
 
 # The Python values the Elixir terms behind those vectors must decode to
 # (the terms are in tests/fixtures/etf/make_vectors.escript).
@@ -160,10 +153,7 @@ class Reference:
         return int(row["id"])
 
     def row(self, job_id: int) -> dict[str, Any]:
-        with self.conn.cursor(row_factory=dict_row) as cur:
-            found = cur.execute("SELECT * FROM belay_jobs WHERE id = %s", (job_id,)).fetchone()
-        assert found is not None
-        return found
+        return job_row(self.conn, job_id)
 
     # claim/6 (the UPDATE after candidate selection)
     def claim(self, *ids: int, ttl_ms: int = 30_000) -> None:
@@ -331,12 +321,6 @@ class Reference:
 @pytest.fixture
 def ref(sql_conn: Conn, clock: ManualClock) -> Reference:
     return Reference(sql_conn, clock)
-
-
-def count_jobs(conn: Conn) -> int:
-    row = conn.execute("SELECT count(*) FROM belay_jobs").fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 # -- Jobs and results ----------------------------------------------------------------

@@ -9,52 +9,29 @@ written with plain SQL, as the database operator or a foreign SDK would.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 import belay
 from belay import Belay, Job, ManualClock, Opaque, Step, ValidationError
 from belay.job import STATES
+from tests import helpers
+from tests.helpers import START as T0
+from tests.helpers import Conn, etf_by_name, job_row
 
-Conn = psycopg.Connection[Any]
-
-VECTORS = {
-    v["name"]: bytes.fromhex(v["etf_hex"])
-    for v in json.loads(
-        (Path(__file__).parent / "fixtures" / "etf" / "vectors.json").read_text("ascii")
-    )
-}
-
-T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
+VECTORS = etf_by_name()
 
 
 def insert_job(conn: Conn, **columns: Any) -> int:
-    """Insert one belay_jobs row with plain SQL (defaults as the reference fills them)."""
-    row: dict[str, Any] = {
-        "kind": "Reads.Worker", "queue": "default", "state": "ready",
-        "ready_at": T0, "inserted_at": T0,
-    }
-    row.update(columns)
-    for name in ("input", "meta", "errors"):
-        if name in row and not isinstance(row[name], Jsonb):
-            row[name] = Jsonb(row[name])
-    query = sql.SQL("INSERT INTO belay_jobs ({}) VALUES ({}) RETURNING id").format(
-        sql.SQL(", ").join(map(sql.Identifier, row)),
-        sql.SQL(", ").join(sql.Placeholder() * len(row)),
-    )
-    found = conn.execute(query, list(row.values())).fetchone()
-    assert found is not None
-    return int(found[0])
+    """helpers.insert_job with this module's defaults: kind Reads.Worker, ready_at T0
+    (as the reference fills them)."""
+    return helpers.insert_job(conn, **{"kind": "Reads.Worker", "ready_at": T0, **columns})
 
 
 def set_state(conn: Conn, job_id: int, state: str) -> None:
@@ -605,15 +582,8 @@ def test_dropped_then_readded_column_positions_do_not_matter(
     assert client.enqueue("K", partition_key="p3").partition_key == "p3"
 
 
-def real_row(conn: Conn, job_id: int) -> dict[str, Any]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute("SELECT * FROM belay_jobs WHERE id = %s", (job_id,)).fetchone()
-    assert row is not None
-    return row
-
-
 def test_from_row_does_not_depend_on_key_order(sql_conn: Conn) -> None:
-    row = real_row(sql_conn, insert_job(sql_conn, **FULL_ROW))
+    row = job_row(sql_conn, insert_job(sql_conn, **FULL_ROW))
     reference = Job.from_row(row)
     rnd = random.Random(1234)
     items = list(row.items())
@@ -624,7 +594,7 @@ def test_from_row_does_not_depend_on_key_order(sql_conn: Conn) -> None:
 
 
 def test_from_row_ignores_unknown_keys_in_any_order(sql_conn: Conn) -> None:
-    row = real_row(sql_conn, insert_job(sql_conn, **FULL_ROW))
+    row = job_row(sql_conn, insert_job(sql_conn, **FULL_ROW))
     reference = Job.from_row(row)
     # Future columns, including names that collide with Job's own non-column attributes.
     extras = {

@@ -16,7 +16,6 @@ import os
 import re
 import threading
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,9 @@ from psycopg import sql
 import belay
 import belay.sql
 from belay import ContractMismatch, SchemaMissing, SchemaOutdated, SchemaStatus
+from tests.helpers import START as NOW
+from tests.helpers import url_for
 
-NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 REPO = Path(__file__).resolve().parent.parent
 
 # -- Expected catalog (§3, DESIGN.md "Restored facts") ----------------------------------
@@ -324,11 +324,6 @@ def fresh_empty_database(server_url: str) -> Iterator[str]:
 
 
 _names = itertools.count()
-
-
-def url_for(server_url: str, dbname: str) -> str:
-    # As conftest.url_for (conftest is not importable as a module here).
-    return psycopg.conninfo.make_conninfo(server_url, dbname=dbname)
 
 
 def build_reference_revision_2(url: str) -> None:

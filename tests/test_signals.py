@@ -6,140 +6,30 @@ Elixir reference (or a worker not written yet) would leave them.
 
 from __future__ import annotations
 
-import json
-import re
 import threading
-import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 
 import belay
 from belay import store
-
-Conn = psycopg.Connection[Any]
-
-START = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)  # the clock fixture's start
-
-
-# -- helpers -----------------------------------------------------------------------------
-
-
-def insert_job(conn: Conn, **columns: Any) -> int:
-    """Insert a belay_jobs row with plain SQL (the part of a foreign SDK / operator)."""
-    values = {"kind": "test.kind", "queue": "default", "state": "ready", "inserted_at": START}
-    values.update(columns)
-    for name in ("errors", "input", "meta"):
-        if name in values:
-            values[name] = Jsonb(values[name])
-    query = sql.SQL("INSERT INTO belay_jobs ({}) VALUES ({}) RETURNING id").format(
-        sql.SQL(", ").join(map(sql.Identifier, values)),
-        sql.SQL(", ").join(sql.Placeholder() * len(values)),
-    )
-    row = conn.execute(query, list(values.values())).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def awaiting_own_scope(conn: Conn, name: str, **columns: Any) -> int:
-    """A job parked on (job:<its id>, name), as an await in its own code leaves it."""
-    job_id = insert_job(conn, state="awaiting", await_name=name, **columns)
-    conn.execute("UPDATE belay_jobs SET await_scope = 'job:' || id WHERE id = %s", (job_id,))
-    return job_id
-
-
-def running_job(conn: Conn, **columns: Any) -> int:
-    """A job claimed once: running, attempt 1, under a lease."""
-    defaults: dict[str, Any] = {
-        "state": "running", "attempt": 1, "lease_until": START + timedelta(seconds=30),
-        "leased_by": "node-a", "started_at": START,
-    }
-    defaults.update(columns)
-    return insert_job(conn, **defaults)
-
-
-def job_row(conn: Conn, job_id: int) -> dict[str, Any]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute("SELECT * FROM belay_jobs WHERE id = %s", (job_id,)).fetchone()
-    assert row is not None
-    return row
-
-
-def signal_rows(conn: Conn) -> list[dict[str, Any]]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(
-            "SELECT scope, name, payload, inserted_at FROM belay_signals ORDER BY scope, name"
-        ).fetchall()
-
-
-def channel_for(dbname: str) -> str:
-    """§9.2, spelled out independently of belay.names (cut to Postgres's 63-byte identifiers)."""
-    return ("belay_" + re.sub(r"[^A-Za-z0-9_]", "_", dbname))[:63]
-
-
-class Notifications:
-    """A LISTEN connection of its own, as another process would hold it."""
-
-    def __init__(self, db_url: str) -> None:
-        self.url = db_url
-        self.conn = psycopg.connect(db_url, autocommit=True)
-        self.channel = channel_for(self.conn.info.dbname)
-        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-
-    def received(self) -> list[Any]:
-        """Every notification committed so far, in order.
-
-        Postgres delivers notifications in commit order, so everything committed
-        before our sentinel arrives before it: no sleeping to prove an absence.
-        """
-        token = f"sentinel-{uuid.uuid4()}"
-        with psycopg.connect(self.url, autocommit=True) as other:
-            other.execute("SELECT pg_notify(%s, %s)", (self.channel, token))
-        seen: list[Any] = []
-        for note in self.conn.notifies(timeout=10):
-            if note.payload == token:
-                return seen
-            assert note.channel == self.channel
-            seen.append(json.loads(note.payload))
-        raise AssertionError("the sentinel notification never arrived")
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-@pytest.fixture
-def notes(db_url: str) -> Iterator[Notifications]:
-    listener = Notifications(db_url)
-    try:
-        yield listener
-    finally:
-        listener.close()
-
-
-def wait_until(predicate: Any, what: str, timeout: float = 5.0) -> None:
-    """Poll the database for a condition no event can announce (a backend blocked on a lock)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.01)
-
-
-def advisory_waiters(conn: Conn) -> int:
-    row = conn.execute(
-        "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
-        "WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
+from tests.helpers import (
+    START,
+    Conn,
+    Notifications,
+    advisory_waiters,
+    awaiting_own_scope,
+    insert_job,
+    job_row,
+    running_job,
+    signal_rows,
+    wait_until,
+)
 
 # -- §8.1 delivery ------------------------------------------------------------------------
 

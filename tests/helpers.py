@@ -1,0 +1,201 @@
+"""Helpers shared by the test modules (import as ``from tests.helpers import …``).
+
+Raw SQL here plays the part of a foreign SDK, a worker not written yet or the
+database operator; nothing here goes through belay's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+Conn = psycopg.Connection[Any]
+
+START = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)  # the clock fixture's start
+VECTORS_PATH = Path(__file__).parent / "fixtures" / "etf" / "vectors.json"
+
+
+def url_for(server_url: str, dbname: str) -> str:
+    """The URL of another database on the same server."""
+    return psycopg.conninfo.make_conninfo(server_url, dbname=dbname)
+
+
+# -- belay_jobs / belay_signals rows -------------------------------------------------------
+
+
+def insert_job(conn: Conn, **columns: Any) -> int:
+    """Insert a belay_jobs row with plain SQL (the part of a foreign SDK / operator).
+
+    Defaults: kind ``test.kind``, queue ``default``, state ``ready``, inserted_at
+    START (ready_at stays NULL unless given). ``input``, ``meta`` and ``errors``
+    are sent as jsonb unless already wrapped in ``Jsonb``.
+    """
+    values: dict[str, Any] = {
+        "kind": "test.kind", "queue": "default", "state": "ready", "inserted_at": START,
+    }
+    values.update(columns)
+    for name in ("input", "meta", "errors"):
+        if name in values and not isinstance(values[name], Jsonb):
+            values[name] = Jsonb(values[name])
+    query = sql.SQL("INSERT INTO belay_jobs ({}) VALUES ({}) RETURNING id").format(
+        sql.SQL(", ").join(map(sql.Identifier, values)),
+        sql.SQL(", ").join(sql.Placeholder() * len(values)),
+    )
+    row = conn.execute(query, list(values.values())).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def awaiting_own_scope(conn: Conn, name: str, **columns: Any) -> int:
+    """A job parked on (job:<its id>, name), as an await in its own code leaves it."""
+    job_id = insert_job(conn, state="awaiting", await_name=name, **columns)
+    conn.execute("UPDATE belay_jobs SET await_scope = 'job:' || id WHERE id = %s", (job_id,))
+    return job_id
+
+
+def running_job(conn: Conn, **columns: Any) -> int:
+    """A job claimed once: running, attempt 1, under a lease."""
+    defaults: dict[str, Any] = {
+        "state": "running", "attempt": 1, "lease_until": START + timedelta(seconds=30),
+        "leased_by": "node-a", "started_at": START,
+    }
+    defaults.update(columns)
+    return insert_job(conn, **defaults)
+
+
+def job_row(conn: Conn, job_id: int) -> dict[str, Any]:
+    """The belay_jobs row, every column, as the database holds it."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute("SELECT * FROM belay_jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None
+    return row
+
+
+def count_jobs(conn: Conn) -> int:
+    row = conn.execute("SELECT count(*) FROM belay_jobs").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def signal_rows(conn: Conn) -> list[dict[str, Any]]:
+    """Every belay_signals row (scope, name, payload, inserted_at), by scope and name."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(
+            "SELECT scope, name, payload, inserted_at FROM belay_signals ORDER BY scope, name"
+        ).fetchall()
+
+
+# -- notifications (§9.2) ------------------------------------------------------------------
+
+
+def channel_for(dbname: str) -> str:
+    """§9.2, spelled out independently of belay.names (cut to Postgres's 63-byte identifiers)."""
+    return ("belay_" + re.sub(r"[^A-Za-z0-9_]", "_", dbname))[:63]
+
+
+def notify(conn: Conn, payload: str) -> None:
+    """Send ``payload`` on the belay channel of ``conn``'s database."""
+    conn.execute("SELECT pg_notify(%s, %s)", (channel_for(conn.info.dbname), payload))
+
+
+class Notifications:
+    """A LISTEN connection of its own, as another process would hold it."""
+
+    def __init__(self, db_url: str) -> None:
+        self.url = db_url
+        self.conn = psycopg.connect(db_url, autocommit=True)
+        self.channel = channel_for(self.conn.info.dbname)
+        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+
+    def received(self) -> list[Any]:
+        """Every notification committed so far, in order.
+
+        Postgres delivers notifications in commit order, so everything committed
+        before our sentinel arrives before it: no sleeping to prove an absence.
+        """
+        token = f"sentinel-{uuid.uuid4()}"
+        with psycopg.connect(self.url, autocommit=True) as other:
+            other.execute("SELECT pg_notify(%s, %s)", (self.channel, token))
+        seen: list[Any] = []
+        for note in self.conn.notifies(timeout=10):
+            if note.payload == token:
+                return seen
+            assert note.channel == self.channel
+            seen.append(json.loads(note.payload))
+        raise AssertionError("the sentinel notification never arrived")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+# -- waiting on other backends ---------------------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 5.0) -> None:
+    """Poll for a condition no event can announce (a backend blocked on a lock)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.01)
+
+
+def advisory_waiters(conn: Conn) -> int:
+    """Backends of this database waiting for an advisory lock."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
+        "WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+# -- ETF vectors (tests/fixtures/etf/vectors.json) -------------------------------------------
+
+
+def etf_vectors() -> list[dict[str, Any]]:
+    """The vectors, as written by Erlang/OTP's ``term_to_binary``."""
+    vectors: list[dict[str, Any]] = json.loads(VECTORS_PATH.read_text(encoding="ascii"))
+    return vectors
+
+
+def etf_by_name() -> dict[str, bytes]:
+    """Each vector's ETF bytes, by vector name."""
+    return {v["name"]: bytes.fromhex(v["etf_hex"]) for v in etf_vectors()}
+
+
+def from_expected(spec: Any) -> Any:
+    """Turn the tagged JSON of vectors.json into the Python value decode_etf must return."""
+    if spec is None or isinstance(spec, (bool, int, str)):
+        return spec
+    if isinstance(spec, list):
+        return [from_expected(item) for item in spec]
+    assert isinstance(spec, dict) and len(spec) == 1, spec
+    ((tag, body),) = spec.items()
+    if tag == "int":
+        return int(body)
+    if tag == "float":
+        return float(body)
+    if tag == "bytes_hex":
+        return bytes.fromhex(body)
+    if tag == "tuple":
+        return tuple(from_expected(item) for item in body)
+    if tag == "list_repeat":
+        item, count = body
+        return [from_expected(item) for _ in range(count)]
+    if tag == "map":
+        result = {from_expected(k): from_expected(v) for k, v in body}
+        assert len(result) == len(body), "fixture map keys collide in Python"
+        return result
+    raise AssertionError(f"unknown expected tag {tag!r}")
