@@ -19,6 +19,7 @@ from belay import errors
 from belay.client import Belay, CancelStatus
 from belay.clock import Clock, ManualClock, SystemClock
 from belay.codec import Opaque
+from belay.context import Context, Interrupted
 from belay.enqueue import JobSpec, Unique
 from belay.errors import (
     BelayError,
@@ -34,17 +35,68 @@ from belay.errors import (
     ValidationError,
 )
 from belay.job import Event, Job, Step, WorkflowStatus
+from belay.outcome import Cancel, Snooze, default_backoff
+from belay.registry import Registry, WorkerDef, worker
+from belay.runner import JobEnd, Worker
 from belay.schema import CONTRACT_MAJOR, MIN_REVISION, SchemaStatus
 
 __all__ = [
-    "CONTRACT_MAJOR", "MIN_REVISION", "Belay", "BelayError", "CancelStatus", "Clock",
-    "ConfigurationError", "ContractMismatch", "Event", "Job", "JobCancelled", "JobFailed",
-    "JobNotFound", "JobSpec", "ManualClock", "NotRetryable", "Opaque", "SchemaError",
-    "SchemaMissing", "SchemaOutdated", "SchemaStatus", "Step", "SystemClock", "Unique",
-    "ValidationError", "WorkflowStatus", "await_result", "cancel_job", "check_schema",
-    "clear_signal", "configure", "default", "enqueue", "enqueue_many", "errors", "events",
-    "get_job", "list_jobs", "migrate", "retry_job", "signal", "signal_job", "stats",
-    "steer_job", "steps", "workflow_status",
+    "CONTRACT_MAJOR",
+    "MIN_REVISION",
+    "Belay",
+    "BelayError",
+    "Cancel",
+    "CancelStatus",
+    "Clock",
+    "ConfigurationError",
+    "Context",
+    "ContractMismatch",
+    "Event",
+    "Interrupted",
+    "Job",
+    "JobCancelled",
+    "JobEnd",
+    "JobFailed",
+    "JobNotFound",
+    "JobSpec",
+    "ManualClock",
+    "NotRetryable",
+    "Opaque",
+    "Registry",
+    "SchemaError",
+    "SchemaMissing",
+    "SchemaOutdated",
+    "SchemaStatus",
+    "Snooze",
+    "Step",
+    "SystemClock",
+    "Unique",
+    "ValidationError",
+    "Worker",
+    "WorkerDef",
+    "WorkflowStatus",
+    "await_result",
+    "cancel_job",
+    "check_schema",
+    "clear_signal",
+    "configure",
+    "default",
+    "default_backoff",
+    "enqueue",
+    "enqueue_many",
+    "errors",
+    "events",
+    "get_job",
+    "list_jobs",
+    "migrate",
+    "retry_job",
+    "signal",
+    "signal_job",
+    "stats",
+    "steer_job",
+    "steps",
+    "worker",
+    "workflow_status",
 ]
 
 _default: Belay | None = None

@@ -1,4 +1,4 @@
-"""The ``belay`` command line: ``belay migrate``, ``belay check``, ``belay demo``.
+"""The ``belay`` command line: ``migrate``, ``check``, ``worker``, ``demo``.
 
 Exit codes: 0 success; 1 the database is unusable (unreachable, no schema,
 outdated schema, unknown contract major); 2 bad usage.
@@ -35,6 +35,18 @@ def _parser() -> argparse.ArgumentParser:
 
     with_url("migrate", "create or upgrade the belay schema (idempotent)")
     with_url("check", "print the schema revision and contract major; exit 1 if unusable")
+    run = with_url("worker", "run a worker until SIGTERM/SIGINT")
+    run.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                     help="import MODULE to register its @belay.worker functions (repeatable)")
+    run.add_argument("--queue", dest="queues", action="append", default=[], metavar="NAME=N",
+                     help="a queue and its concurrency limit (repeatable; default: default=10)")
+    run.add_argument("--notify", action="store_true",
+                     help="LISTEN for pg_notify pokes and send result notifications")
+    run.add_argument("--lease-ttl", type=float, default=30.0, metavar="SECONDS")
+    run.add_argument("--poll-interval", type=float, default=0.5, metavar="SECONDS")
+    run.add_argument("--shutdown-grace", type=float, default=15.0, metavar="SECONDS")
+    run.add_argument("--node-id", default=None)
+    run.add_argument("--log-level", default="INFO")
     demo = commands.add_parser(
         "demo", help="a live tour on a real database (an embedded one when no --url)"
     )
@@ -49,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.url:
         print("belay: no database URL: pass --url or set BELAY_DATABASE_URL", file=sys.stderr)
         return 2
+    if args.command == "worker":
+        return _worker(args)
     try:
         instance = Belay(args.url, verify_schema=False)
     except BelayError as exc:
@@ -75,6 +89,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     except psycopg.OperationalError as exc:
         print(f"belay: cannot connect to the database: {str(exc).strip()}", file=sys.stderr)
         return 1
+
+
+def _parse_queue(text: str) -> tuple[str, int]:
+    name, sep, limit = text.partition("=")
+    if not sep:
+        return name, 10
+    if not limit.isdigit() or int(limit) < 1:
+        raise ValueError(f"--queue {text!r}: the limit after '=' is a whole number >= 1")
+    return name, int(limit)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import importlib
+    import logging
+
+    from belay.runner import Worker
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        queues = dict(_parse_queue(q) for q in args.queues) or {"default": 10}
+        sys.path.insert(0, os.getcwd())
+        for module in args.imports:
+            importlib.import_module(module)
+        client = Belay(args.url, notify=args.notify)
+        worker = Worker(
+            queues, client=client, notify=args.notify, lease_ttl=args.lease_ttl,
+            poll_interval=args.poll_interval, busy_poll=min(0.025, args.poll_interval),
+            shutdown_grace=args.shutdown_grace, node_id=args.node_id,
+        )
+        if not len(worker.registry):
+            print("belay: no workers registered: pass --import with the module that defines "
+                  "your @belay.worker functions", file=sys.stderr)
+            return 2
+        worker.run()
+    except (ValueError, ImportError) as exc:
+        print(f"belay: {exc}", file=sys.stderr)
+        return 2
+    except BelayError as exc:
+        print(f"belay: {exc}", file=sys.stderr)
+        return 1
+    except psycopg.OperationalError as exc:
+        print(f"belay: cannot connect to the database: {str(exc).strip()}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _demo(url: str | None) -> int:

@@ -1,10 +1,10 @@
-"""Result notifications for ``await_result`` (contract §9.2).
+"""LISTEN side of the wake-ups (contract §9.2).
 
-One thread per client (``belay-results``) holds a LISTEN connection and sets
-an event for each job a caller waits on when its result notification arrives.
-Notifications are an accelerator only: a waiter re-reads the job on a
-backoff whatever happens here, so a lost or late notification costs latency,
-never a result.
+:class:`Listener` is one thread holding an autocommit LISTEN connection that
+reconnects on failure and hands each parsed message to a callback. The client
+uses it for result notifications (``await_result``), the worker for pokes.
+Notifications are an accelerator only: polling is the correctness floor, so a
+lost or late message costs latency, never work.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -23,15 +24,23 @@ from belay.sql import QUERIES
 log = logging.getLogger("belay.notify")
 
 
-class ResultListener:
-    def __init__(self, conninfo: str, channel: str) -> None:
+class Listener:
+    def __init__(
+        self,
+        conninfo: str,
+        channel: str,
+        on_message: Callable[[dict[str, Any]], None],
+        *,
+        name: str,
+    ) -> None:
         self._conninfo = conninfo
         self._channel = channel
-        self._waiters: dict[int, set[threading.Event]] = defaultdict(set)
+        self._on_message = on_message
+        self._name = name
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: Set once LISTEN is in place (a test signal; production never waits on it).
+        #: Set while LISTEN is in place (a test signal; production never waits on it).
         self.listening = threading.Event()
 
     def start(self) -> None:
@@ -39,7 +48,7 @@ class ResultListener:
             if self._thread is not None:
                 return
             self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="belay-results", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -49,6 +58,61 @@ class ResultListener:
             return
         self._stop.set()
         thread.join(timeout)
+
+    def _dispatch(self, payload: str) -> None:
+        try:
+            message: Any = loads(payload)
+        except ValueError:
+            return
+        if isinstance(message, dict):
+            try:
+                self._on_message(message)
+            except Exception:
+                log.exception("%s: handling %r failed", self._name, payload)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(
+                    self._conninfo,
+                    autocommit=True,
+                    application_name=self._name,
+                    connect_timeout=10,
+                ) as conn:
+                    channel = sql.Identifier(self._channel)
+                    conn.execute(sql.SQL(QUERIES["listen"]).format(channel=channel))
+                    self.listening.set()
+                    backoff = 0.1
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=0.5):
+                            self._dispatch(note.payload)
+            except Exception:
+                # A server restart, a pooler without LISTEN: keep polling, retry.
+                log.debug("%s failed; retrying in %.1fs", self._name, backoff, exc_info=True)
+                self.listening.clear()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+        self.listening.clear()
+
+
+class ResultListener:
+    """Wakes ``await_result`` callers when their job's result notification arrives."""
+
+    def __init__(self, conninfo: str, channel: str) -> None:
+        self._waiters: dict[int, set[threading.Event]] = defaultdict(set)
+        self._lock = threading.Lock()
+        # Through a lambda so the handler stays replaceable (tests record with it).
+        self._listener = Listener(
+            conninfo, channel, lambda message: self._on_message(message), name="belay-results"
+        )
+        self.listening = self._listener.listening
+
+    def start(self) -> None:
+        self._listener.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._listener.stop(timeout)
 
     def watch(self, job_id: int) -> threading.Event:
         """Register before reading the job, so a notification in between is not missed."""
@@ -65,40 +129,10 @@ class ResultListener:
                 if not waiters:
                     del self._waiters[job_id]
 
-    def _dispatch(self, payload: str) -> None:
-        try:
-            message: Any = loads(payload)
-        except ValueError:
-            return
-        if not isinstance(message, dict) or message.get("t") != "r":
-            return
+    def _on_message(self, message: dict[str, Any]) -> None:
         job_id = message.get("id")
+        if message.get("t") != "r" or not isinstance(job_id, int):
+            return
         with self._lock:
-            for event in self._waiters.get(job_id, ()) if isinstance(job_id, int) else ():
+            for event in self._waiters.get(job_id, ()):
                 event.set()
-
-    def _run(self) -> None:
-        backoff = 0.1
-        while not self._stop.is_set():
-            try:
-                with psycopg.connect(
-                    self._conninfo,
-                    autocommit=True,
-                    application_name="belay-results",
-                    connect_timeout=10,
-                ) as conn:
-                    channel = sql.Identifier(self._channel)
-                    conn.execute(sql.SQL(QUERIES["listen"]).format(channel=channel))
-                    self.listening.set()
-                    backoff = 0.1
-                    while not self._stop.is_set():
-                        for note in conn.notifies(timeout=0.5):
-                            self._dispatch(note.payload)
-            except Exception:
-                # Any failure (server restart, pooler without LISTEN): waiters
-                # keep polling; try again with a capped backoff.
-                log.debug("result listener failed; retrying in %.1fs", backoff, exc_info=True)
-                self.listening.clear()
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
-        self.listening.clear()

@@ -9,9 +9,9 @@ transaction; the client guarantees that.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -332,3 +332,103 @@ def park_await(
     if _value(conn, "signal_exists", (scope, name)) is not None:
         return "ready" if _execute(conn, "park_ready", params) else None
     return "awaiting" if _execute(conn, "park_await", params) else None
+
+
+# -- Claim, leases, acks, reclaim (§6, §7) -----------------------------------------
+
+
+def claim(
+    conn: Conn, queue: str, take: int, node: str, now: datetime, lease_until: datetime
+) -> list[Job]:
+    """§6 plain claim: up to ``take`` ready or due-awaiting jobs, now leased to ``node``."""
+    found = _rows(conn, "claim", {
+        "queue": queue, "take": take, "node": node, "now": now, "lease_until": lease_until,
+    })
+    jobs = [Job.from_row(r) for r in found]
+    jobs.sort(key=lambda j: (j.priority, j.ready_at is not None, j.ready_at or now, j.id))
+    return jobs
+
+
+def renew_leases(
+    conn: Conn, keys: Sequence[tuple[int, int]], node: str, until: datetime
+) -> set[tuple[int, int]]:
+    """§6: renew every local lease in one statement; returns the (id, attempt)
+    pairs still held — any other is lost."""
+    if not keys:
+        return set()
+    held = _rows(conn, "renew_leases", {"ids": [k[0] for k in keys], "node": node, "until": until})
+    return {(r["id"], r["attempt"]) for r in held}
+
+
+@dataclass(frozen=True)
+class Acked:
+    """A fenced ack that took effect: the new row and what it set in motion."""
+
+    job: Job
+    settled: Settled
+
+
+_ACKS = {
+    "succeeded": "ack_succeeded",
+    "retry": "ack_retry",
+    "failed": "ack_failed",
+    "cancelled": "ack_cancelled",
+    "snooze": "ack_snooze",
+}
+
+
+def ack(
+    conn: Conn,
+    job: Job,
+    kind: str,
+    now: datetime,
+    *,
+    result: bytes | None = None,
+    error: Any = None,
+    at: datetime | None = None,
+) -> Acked | None:
+    """§7: apply an outcome to the claimed attempt ``job.attempt``; None when stale.
+
+    Atomic: run inside a transaction. A workflow member takes the workflow lock
+    before its row (the lock order of :func:`lock_job`).
+    """
+    if job.workflow_id is not None:
+        lock(conn, names.workflow_lock(job.workflow_id))
+    found = _rows(conn, _ACKS[kind], {
+        "id": job.id, "attempt": job.attempt, "now": now, "result": result, "at": at,
+        "error": None if error is None else dumps(error).decode(),
+    })
+    if not found:
+        return None
+    updated = Job.from_row(found[0])
+    if updated.terminal:
+        return Acked(updated, after_terminal(conn, updated, now))
+    return Acked(updated, Settled([], []))
+
+
+def expired_leases(conn: Conn, now: datetime, limit: int) -> list[int]:
+    """§6 reclaim candidates (unlocked; each is re-checked by :func:`reclaim_one`)."""
+    return [r["id"] for r in _rows(conn, "expired_leases", (now, limit))]
+
+
+def reclaim_one(
+    conn: Conn, job_id: int, now: datetime, backoff: Callable[[Job], float]
+) -> Acked | None:
+    """Retry or fail one job whose lease expired, with §7 after-terminal effects.
+
+    Atomic: run inside a transaction. None when it was not (or no longer) expired.
+    """
+    job = get_job(conn, job_id)
+    if job is None:
+        return None
+    if job.workflow_id is not None:
+        lock(conn, names.workflow_lock(job.workflow_id))
+    found = _rows(conn, "lock_expired", (job_id, now))
+    if not found:
+        return None
+    job = Job.from_row(found[0])
+    error = {"error": "lease_expired", "at": now.isoformat(), "attempt": job.attempt}
+    if job.attempt >= job.max_attempts:
+        return ack(conn, job, "failed", now, error=error)
+    return ack(conn, job, "retry", now, error=error,
+               at=now + timedelta(seconds=max(0.0, backoff(job))))

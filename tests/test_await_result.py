@@ -213,14 +213,14 @@ def test_a_job_finishing_during_the_wait_returns_its_result(
 ) -> None:
     job = insert_job(sql_conn, state="running", attempt=1)
     listener = client._result_listener()
-    dispatched: list[str] = []
-    dispatch = listener._dispatch
+    dispatched: list[dict[str, object]] = []
+    on_message = listener._on_message
 
-    def recording(payload: str) -> None:
-        dispatched.append(payload)
-        dispatch(payload)
+    def recording(message: dict[str, object]) -> None:
+        dispatched.append(message)
+        on_message(message)
 
-    monkeypatch.setattr(listener, "_dispatch", recording)
+    monkeypatch.setattr(listener, "_on_message", recording)
     waiter = Waiter(client, job)
     assert listener.listening.wait(5)
     # The waiter registers with the listener before its first read of the job.
@@ -234,7 +234,7 @@ def test_a_job_finishing_during_the_wait_returns_its_result(
     # The notification (when sent) reached the listener; polling alone covers the rest.
     if notify_result:
         wait_until(lambda: dispatched, "the listener dispatches the notification")
-        assert dispatched == [json.dumps({"t": "r", "id": job})]
+        assert dispatched == [{"t": "r", "id": job}]
     else:
         assert dispatched == []
 

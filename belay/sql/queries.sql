@@ -204,3 +204,90 @@ UPDATE belay_jobs
 SET state = 'ready', ready_at = %(now)s, await_scope = NULL, await_name = NULL,
     attempt = attempt - 1, lease_until = NULL, leased_by = NULL
 WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s;
+
+-- name: claim
+-- §6 plain claim in one statement (so one round trip, its own transaction).
+-- Two candidate sets, each locked with SKIP LOCKED and capped at the demand:
+-- ready jobs in claim order straight off belay_jobs_claim_order_idx (no sort
+-- of the ready set), and awaiting jobs whose deadline is due. Only the merge
+-- of at most 2 × take candidates is sorted. Unpicked candidates stay locked
+-- until the statement ends, a few milliseconds.
+WITH ready AS (
+  SELECT id, priority, ready_at FROM belay_jobs
+  WHERE queue = %(queue)s AND state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s)
+  ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC
+  LIMIT %(take)s
+  FOR UPDATE SKIP LOCKED
+), due AS (
+  SELECT id, priority, ready_at FROM belay_jobs
+  WHERE queue = %(queue)s AND state = 'awaiting' AND ready_at IS NOT NULL
+    AND ready_at <= %(now)s
+  ORDER BY ready_at ASC
+  LIMIT %(take)s
+  FOR UPDATE SKIP LOCKED
+), picked AS (
+  SELECT id AS picked_id FROM (SELECT * FROM ready UNION ALL SELECT * FROM due) AS candidates
+  ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC
+  LIMIT %(take)s
+)
+UPDATE belay_jobs AS j
+SET state = 'running', attempt = j.attempt + 1, lease_until = %(lease_until)s,
+    leased_by = %(node)s, started_at = COALESCE(j.started_at, %(now)s)
+FROM picked
+WHERE j.id = picked.picked_id
+RETURNING {job_columns};
+
+-- name: renew_leases
+-- §6: one statement renews every local lease; a pair not returned is lost.
+UPDATE belay_jobs SET lease_until = %(until)s
+WHERE id = ANY(%(ids)s::bigint[]) AND state = 'running' AND leased_by = %(node)s
+RETURNING id, attempt;
+
+-- name: ack_succeeded
+-- §7 acks: each fenced on the claimed attempt; zero rows means a stale ack.
+UPDATE belay_jobs
+SET state = 'succeeded', result = %(result)s, finished_at = %(now)s,
+    lease_until = NULL, leased_by = NULL
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
+RETURNING {job_columns};
+
+-- name: ack_retry
+UPDATE belay_jobs
+SET state = 'ready', ready_at = %(at)s, errors = errors || jsonb_build_array(%(error)s::jsonb),
+    lease_until = NULL, leased_by = NULL
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
+RETURNING {job_columns};
+
+-- name: ack_failed
+UPDATE belay_jobs
+SET state = 'failed', errors = errors || jsonb_build_array(%(error)s::jsonb),
+    finished_at = %(now)s, lease_until = NULL, leased_by = NULL
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
+RETURNING {job_columns};
+
+-- name: ack_cancelled
+UPDATE belay_jobs
+SET state = 'cancelled', errors = errors || jsonb_build_array(%(error)s::jsonb),
+    finished_at = %(now)s, lease_until = NULL, leased_by = NULL
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
+RETURNING {job_columns};
+
+-- name: ack_snooze
+-- A snooze is not a failed try: the attempt goes back down.
+UPDATE belay_jobs
+SET state = 'ready', ready_at = %(at)s, attempt = attempt - 1,
+    lease_until = NULL, leased_by = NULL
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
+RETURNING {job_columns};
+
+-- name: expired_leases
+-- §6 reclaim candidates; each is then re-checked under its locks.
+SELECT id, workflow_id FROM belay_jobs
+WHERE state = 'running' AND lease_until <= %s
+ORDER BY lease_until
+LIMIT %s;
+
+-- name: lock_expired
+SELECT {job_columns} FROM belay_jobs
+WHERE id = %s AND state = 'running' AND lease_until <= %s
+FOR UPDATE SKIP LOCKED;

@@ -1,0 +1,187 @@
+"""Worker definitions: ``@belay.worker`` and the registry that maps kinds to code.
+
+A kind is a registry name (contract §12: each implementation maps it to code
+its own way). Ours defaults to ``module.qualname`` of the function and can be
+set with ``name=`` so a Python worker can serve a kind an Elixir producer names.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, overload
+
+from belay.enqueue import UNIQUE_MODES, Unique
+from belay.errors import ConfigurationError
+from belay.outcome import Backoff, default_backoff
+
+if TYPE_CHECKING:
+    from belay.client import Belay
+    from belay.context import Context
+    from belay.job import Job
+
+JobFunction = Callable[["Context"], Any]
+
+
+class WorkerDef:
+    """A registered worker: the function plus its options. Calling it runs the function."""
+
+    def __init__(
+        self,
+        fn: JobFunction,
+        *,
+        kind: str,
+        queue: str,
+        max_attempts: int,
+        timeout: float | None,
+        priority: int,
+        backoff: Backoff,
+        unique: str | Unique | Mapping[str, Any] | None,
+    ) -> None:
+        self.fn = fn
+        self.kind = kind
+        self.queue = queue
+        self.max_attempts = max_attempts
+        self.timeout = timeout
+        self.priority = priority
+        self.backoff = backoff
+        self.unique = unique
+        self.__doc__ = fn.__doc__
+        self.__name__ = getattr(fn, "__name__", kind)
+        self.__wrapped__ = fn
+
+    @property
+    def enqueue_defaults(self) -> dict[str, Any]:
+        """Options ``enqueue`` takes from the worker when the caller gives none."""
+        return {"queue": self.queue, "max_attempts": self.max_attempts,
+                "priority": self.priority, "unique": self.unique}
+
+    def __call__(self, ctx: Context) -> Any:
+        return self.fn(ctx)
+
+    def enqueue(
+        self, input: Mapping[str, Any] | None = None, *, client: Belay | None = None,
+        **options: Any,
+    ) -> Job:
+        """Enqueue a job for this worker (``belay.enqueue(self, input, **options)``)."""
+        if client is None:
+            from belay import default
+
+            client = default()
+        return client.enqueue(self, input, **options)
+
+    def __repr__(self) -> str:
+        return f"<belay worker {self.kind} queue={self.queue!r}>"
+
+
+class Registry:
+    """Kinds to workers. ``belay.worker`` registers into the default one."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerDef] = {}
+        self._lock = threading.Lock()
+
+    def add(self, definition: WorkerDef) -> None:
+        with self._lock:
+            existing = self._workers.get(definition.kind)
+            if existing is not None and existing.fn is not definition.fn:
+                same_code = all(
+                    getattr(existing.fn, attr, None) == getattr(definition.fn, attr, None)
+                    for attr in ("__module__", "__qualname__")
+                )
+                if not same_code:
+                    raise ConfigurationError(
+                        f"kind {definition.kind!r} is already registered to {existing.fn!r}; "
+                        "give one of them another name= "
+                    )
+            # Re-registering the same function (a module reloaded) replaces it.
+            self._workers[definition.kind] = definition
+
+    def get(self, kind: str) -> WorkerDef | None:
+        return self._workers.get(kind)
+
+    def kinds(self) -> list[str]:
+        return sorted(self._workers)
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self._workers
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+
+DEFAULT_REGISTRY = Registry()
+
+
+@overload
+def worker(fn: JobFunction, /) -> WorkerDef: ...
+
+
+@overload
+def worker(
+    *,
+    name: str | None = None,
+    queue: str = "default",
+    max_attempts: int = 20,
+    timeout: float | None = None,
+    priority: int = 0,
+    backoff: Backoff | None = None,
+    unique: str | Unique | Mapping[str, Any] | None = None,
+    registry: Registry | None = None,
+) -> Callable[[JobFunction], WorkerDef]: ...
+
+
+def worker(
+    fn: JobFunction | None = None,
+    /,
+    *,
+    name: str | None = None,
+    queue: str = "default",
+    max_attempts: int = 20,
+    timeout: float | None = None,
+    priority: int = 0,
+    backoff: Backoff | None = None,
+    unique: str | Unique | Mapping[str, Any] | None = None,
+    registry: Registry | None = None,
+) -> WorkerDef | Callable[[JobFunction], WorkerDef]:
+    """Register a function as a worker: ``@belay.worker`` or ``@belay.worker(queue=…)``.
+
+    The function takes a :class:`belay.Context` and returns the job's result.
+    ``timeout`` (seconds) fails an attempt that runs longer; ``backoff`` maps
+    an attempt number to the seconds before the retry.
+    """
+    if not isinstance(queue, str) or not queue:
+        raise ConfigurationError(f"queue must be a non-empty string, got {queue!r}")
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+    ):
+        raise ConfigurationError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ConfigurationError(f"priority must be an integer, got {priority!r}")
+    if backoff is not None and not callable(backoff):
+        raise ConfigurationError("backoff must be a callable taking the attempt number")
+    if isinstance(unique, Unique) and unique.mode not in UNIQUE_MODES:
+        raise ConfigurationError(f"unique mode must be one of {', '.join(UNIQUE_MODES)}")
+
+    def register(function: JobFunction) -> WorkerDef:
+        if not callable(function):
+            raise ConfigurationError(f"@belay.worker decorates a function, got {function!r}")
+        kind = name or f"{function.__module__}.{function.__qualname__}"
+        if "<locals>" in kind and name is None:
+            raise ConfigurationError(
+                f"{function.__qualname__} is defined inside a function, so its default kind "
+                f"{kind!r} is not a stable name: pass name='…'"
+            )
+        definition = WorkerDef(
+            function, kind=kind, queue=queue, max_attempts=max_attempts,
+            timeout=None if timeout is None else float(timeout), priority=priority,
+            backoff=backoff or default_backoff, unique=unique,
+        )
+        (registry or DEFAULT_REGISTRY).add(definition)
+        return definition
+
+    if fn is not None:
+        return register(fn)
+    return register
