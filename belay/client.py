@@ -7,6 +7,7 @@ caller's psycopg connection (``conn=``), inside the caller's transaction.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -34,6 +35,7 @@ from belay.errors import (
 )
 from belay.job import STATES, Event, Job, Step, WorkflowStatus
 from belay.notify import ResultListener
+from belay.registry import DEFAULT_REGISTRY, Registry
 
 Conn = psycopg.Connection[Any]
 CancelStatus = Literal["cancelled", "requested", "noop"]
@@ -71,6 +73,8 @@ class Belay:
 
     ``url`` is a PostgreSQL URL. ``clock`` supplies "now" (contract §2).
     ``notify`` sends ``pg_notify`` wake-ups with enqueues and wakes (§9.2).
+    ``registry`` (default: the one ``@belay.worker`` fills) gives a kind named
+    by string its worker's defaults (queue, max_attempts, priority, unique).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Belay:
         max_pool_size: int = 10,
         verify_schema: bool = True,
         application_name: str = "belay",
+        registry: Registry | None = None,
     ) -> None:
         self.conninfo = normalize_url(url)
         if min_pool_size < 0 or max_pool_size < max(1, min_pool_size):
@@ -91,6 +96,8 @@ class Belay:
                 f"max_pool_size >= 1; got {min_pool_size} and {max_pool_size}"
             )
         self.clock: Clock = clock or SystemClock()
+        #: Where a kind given as a string finds its worker's enqueue defaults.
+        self.registry = registry if registry is not None else DEFAULT_REGISTRY
         self.notify = notify
         self._pool_sizes = (min_pool_size, max_pool_size)
         self._application_name = application_name
@@ -251,13 +258,21 @@ class Belay:
         ``duplicate=True``. Every request is validated before anything is written.
         """
         now = self.clock.now()
-        rows = [build_row(spec_from(item), now) for item in jobs]
+        rows = [build_row(self._resolve(spec_from(item)), now) for item in jobs]
         if not rows:
             return []
         with self.transaction(conn) as active:
             results = self._insert(active, rows, now)
             self._poke(active, {job.queue for job in results if not job.duplicate})
         return results
+
+    def _resolve(self, spec: JobSpec) -> JobSpec:
+        """A kind named by string takes the registered worker's defaults, if any."""
+        if isinstance(spec.kind, str):
+            definition = self.registry.get(spec.kind)
+            if definition is not None:
+                return dataclasses.replace(spec, kind=definition)
+        return spec
 
     def _insert(self, conn: Conn, rows: Sequence[Row], now: datetime) -> list[Job]:
         pending = list(range(len(rows)))

@@ -1,68 +1,129 @@
-"""``belay demo``: a live tour of the client on a real PostgreSQL.
+"""``belay demo``: a live tour on a real PostgreSQL.
 
-With no URL it starts an embedded server (extra ``embedded``), migrates it and
-walks through enqueueing, uniqueness, signals, cancel, retry and reads — every
-step a real round trip, every number read back from the database.
+With no URL it starts an embedded server (extra ``embedded``), migrates it,
+enqueues jobs that succeed, retry, fail, cancel and snooze, runs a worker with
+live progress, and prints a summary — every line read back from the database.
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from belay.client import Belay
+from belay.context import Context
 from belay.embedded import embedded_server
 from belay.enqueue import JobSpec, Unique
+from belay.errors import JobCancelled, JobFailed
+from belay.outcome import Cancel, Snooze
+from belay.registry import Registry, worker
+from belay.runner import JobEnd, Worker
+
+Say = Callable[[str], None]
 
 
-def run(url: str | None = None, say: Callable[[str], None] = print) -> None:
+def run(url: str | None = None, say: Say = print) -> None:
     if url is None:
         say("starting an embedded PostgreSQL (no --url given)…")
         with embedded_server() as embedded:
             _tour(embedded, say)
+            say(f"the data lived in the embedded server at {embedded}; it is removed on exit. "
+                "Pass --url to keep it in your own database.")
     else:
         _tour(url, say)
+        say(f"the data is in {url}: look at the belay_jobs table.")
 
 
-def _tour(url: str, say: Callable[[str], None]) -> None:
-    with Belay(url, verify_schema=False) as client:
+def _workers(registry: Registry) -> None:
+    def fast(attempt: int) -> float:
+        return 0.2  # seconds between retries: a demo shouldn't wait minutes
+
+    @worker(name="demo.send_welcome", queue="mailers", registry=registry, backoff=fast)
+    def send_welcome(ctx: Context) -> Any:
+        time.sleep(random.uniform(0.05, 0.3))
+        return {"sent_to": ctx.input["user_id"]}
+
+    @worker(name="demo.flaky_api", max_attempts=5, registry=registry, backoff=fast)
+    def flaky_api(ctx: Context) -> Any:
+        if ctx.attempt < 3:
+            raise ConnectionError(f"upstream timed out (attempt {ctx.attempt})")
+        return {"ok": True, "attempts": ctx.attempt}
+
+    @worker(name="demo.broken", max_attempts=2, registry=registry, backoff=fast)
+    def broken(ctx: Context) -> Any:
+        raise ValueError("this job always fails")
+
+    @worker(name="demo.moderate", registry=registry)
+    def moderate(ctx: Context) -> Any:
+        if ctx.input.get("spam"):
+            raise Cancel("looks like spam")
+        return {"approved": True}
+
+    @worker(name="demo.wait_a_bit", registry=registry)
+    def wait_a_bit(ctx: Context) -> Any:
+        # The first run finds ready_at still at its enqueue time: come back later.
+        if ctx.job.ready_at == ctx.job.inserted_at:
+            raise Snooze(0.5)
+        return {"done": True, "attempt": ctx.attempt}
+
+
+def _tour(url: str, say: Say) -> None:
+    registry = Registry()
+    _workers(registry)
+    with Belay(url, verify_schema=False, registry=registry) as client:
         applied = client.migrate()
         say(f"migrated: applied {applied or 'nothing'}; {client.check_schema().describe()}")
 
-        job = client.enqueue(
-            "demo.send_welcome", {"user_id": 42}, queue="mailers",
-            unique="welcome:42", budget={"usd": 0.5, "tokens": 10_000},
+        jobs = client.enqueue_many(
+            [JobSpec("demo.send_welcome", {"user_id": n}, unique=f"welcome:{n}")
+             for n in range(1, 9)]
+            + [
+                JobSpec("demo.flaky_api", {"call": "charge"}),
+                JobSpec("demo.broken"),
+                JobSpec("demo.moderate", {"text": "hello"}),
+                JobSpec("demo.moderate", {"text": "BUY NOW", "spam": True}),
+                JobSpec("demo.wait_a_bit"),
+                JobSpec("demo.send_welcome", {"user_id": 1}, unique=Unique("welcome:1")),
+            ]
         )
-        say(f"enqueued job {job.id} ({job.kind}) on {job.queue!r}: state {job.state}, "
-            f"budget ${job.budget_usd} / {job.budget_tokens} tokens")
+        fresh = [j for j in jobs if not j.duplicate]
+        say(f"enqueued {len(fresh)} jobs in one statement "
+            f"({len(jobs) - len(fresh)} duplicate of a unique key came back as its holder)")
+        later = client.enqueue("demo.send_welcome", {"user_id": 99}, delay=3600)
+        say(f"scheduled job {later.id} for {later.ready_at:%H:%M:%S %Z} (it will wait)")
 
-        again = client.enqueue("demo.send_welcome", {"user_id": 42}, unique="welcome:42")
-        say(f"enqueued the same unique key again: duplicate={again.duplicate}, "
-            f"returned the holder, job {again.id}")
+        lock = threading.Lock()
 
-        batch = client.enqueue_many(
-            [JobSpec("demo.summarize", {"chunk": i}, queue="ai") for i in range(5)]
-            + [JobSpec("demo.digest", unique=Unique("digest", mode="window", window=3600))]
-        )
-        say(f"enqueue_many inserted {len(batch)} jobs in one statement: "
-            f"ids {[j.id for j in batch]}")
+        def progress(end: JobEnd) -> None:
+            with lock:
+                say(f"  job {end.job.id:>3} {end.job.kind:<18} attempt {end.job.attempt} "
+                    f"→ {end.outcome:<9} ({end.duration * 1000:.0f} ms)")
 
-        later = client.enqueue("demo.reminder", delay=3600)
-        say(f"scheduled job {later.id} for {later.ready_at:%Y-%m-%d %H:%M:%S %Z}")
+        say("running a worker: mailers=4, default=2 …")
+        runner = Worker({"mailers": 4, "default": 2}, client=client, registry=registry,
+                        busy_poll=0.02, poll_interval=0.1, notify=True)
+        runner.on_job_end(progress)
+        with runner:
+            for enqueued in fresh:
+                with contextlib.suppress(JobFailed, JobCancelled):
+                    client.await_result(enqueued.id, timeout=30)
 
-        woken = client.signal_job(job.id, "approval", {"approved": True})
-        say(f"delivered signal 'approval' to job {job.id} (jobs woken now: {woken}; the "
-            "signal persists, so a job that awaits it later finds it at once)")
-
-        status = client.cancel_job(later.id)
-        cancelled = client.get_job(later.id)
-        errors = cancelled.errors if cancelled is not None else []
-        say(f"cancel_job({later.id}) → {status}; its errors: {errors}")
-        retried = client.retry_job(later.id)
-        say(f"retry_job({later.id}) → state {retried.state}")
-
-        say("stats per queue and state:")
+        say("")
+        say(f"{'id':>4}  {'kind':<18} {'state':<10} {'attempts':>8}  result / last error")
+        for listed in [*fresh, later]:
+            row = client.get_job(listed.id)
+            if row is None:
+                continue
+            job = row
+            detail = job.result if job.state == "succeeded" else (
+                job.errors[-1] if job.errors else "")
+            if isinstance(detail, dict):
+                detail = {k: v for k, v in detail.items() if k != "traceback"}
+            say(f"{job.id:>4}  {job.kind:<18} {job.state:<10} {job.attempt:>8}  {detail}")
+        say("")
         for queue, counts in sorted(client.stats().items()):
-            say(f"  {queue:<10} " + ", ".join(f"{s}={n}" for s, n in sorted(counts.items())))
-        newest = client.list_jobs(limit=3)
-        say(f"newest three jobs: {[(j.id, j.kind) for j in newest]}")
-        say("done — run a worker to execute these (belay worker, coming with the Worker issue)")
+            say(f"queue {queue:<8} " + ", ".join(f"{s}={n}" for s, n in sorted(counts.items())))

@@ -179,7 +179,7 @@ def worker(
             timeout=None if timeout is None else float(timeout), priority=priority,
             backoff=backoff or default_backoff, unique=unique,
         )
-        (registry or DEFAULT_REGISTRY).add(definition)
+        (registry if registry is not None else DEFAULT_REGISTRY).add(definition)
         return definition
 
     if fn is not None:

@@ -115,7 +115,7 @@ class Worker:
 
             client = Belay(url) if url is not None else default()
         self.client = client
-        self.registry = registry or DEFAULT_REGISTRY
+        self.registry = registry if registry is not None else DEFAULT_REGISTRY
         self.lease_ttl = float(lease_ttl)
         self.poll_interval = float(poll_interval)
         self.busy_poll = float(busy_poll)
