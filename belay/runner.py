@@ -131,7 +131,11 @@ class Worker:
         self._work: queue_module.SimpleQueue[Execution | None] = queue_module.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._executors: list[threading.Thread] = []
+        #: Set on stop: producers stop claiming.
         self._stopping = threading.Event()
+        #: Set once running jobs had their grace: the heartbeat (which keeps
+        #: their leases alive meanwhile) and the sweeper stop.
+        self._halted = threading.Event()
         self._stopped = threading.Event()
         self._heartbeat_wake = threading.Event()
         self._pool: ConnectionPool | None = None
@@ -165,6 +169,7 @@ class Worker:
                 open=True,
             )
             self._stopping.clear()
+            self._halted.clear()
             self._stopped.clear()
             for n in range(slots):
                 self._spawn(self._exec_loop, f"belay-exec-{n}", executor=True)
@@ -211,6 +216,7 @@ class Worker:
                         self.node_id, abandoned, grace)
         for _ in self._executors:
             self._work.put(None)
+        self._halted.set()
         self._heartbeat_wake.set()
         if self._listener is not None:
             self._listener.stop()
@@ -392,7 +398,7 @@ class Worker:
                 # lapses and the job is reclaimed (at-least-once).
                 log.warning("belay: ack of job %d failed (try %d)", job.id, attempt + 1,
                             exc_info=True)
-                self._stopping.wait(0.2 * (attempt + 1))
+                self._halted.wait(0.2 * (attempt + 1))
         return False
 
     def _finished(self, job: Job, outcome: str, duration: float, error: Any) -> None:
@@ -414,7 +420,7 @@ class Worker:
     def _heartbeat(self) -> None:
         period = self.lease_ttl / 3
         next_renew = time.monotonic() + period
-        while not self._stopping.is_set():
+        while not self._halted.is_set():
             try:
                 now = time.monotonic()
                 if now >= next_renew:
@@ -463,7 +469,7 @@ class Worker:
     # -- Reclaim (§6) ------------------------------------------------------------------
 
     def _sweep(self) -> None:
-        while not self._stopping.wait(self.sweep_interval):
+        while not self._halted.wait(self.sweep_interval):
             try:
                 self.reclaim()
             except Exception:
