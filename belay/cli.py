@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import psycopg
 
 from belay.client import Belay
-from belay.errors import BelayError
+from belay.errors import BelayError, ConfigurationError
 from belay.schema import CONTRACT_MAJOR, MIN_REVISION, latest_revision
 
 
@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="LISTEN for pg_notify pokes and send result notifications")
     run.add_argument("--lease-ttl", type=float, default=30.0, metavar="SECONDS")
     run.add_argument("--poll-interval", type=float, default=0.5, metavar="SECONDS")
+    run.add_argument("--busy-poll", type=float, default=0.025, metavar="SECONDS")
+    run.add_argument("--sweep-interval", type=float, default=5.0, metavar="SECONDS")
     run.add_argument("--shutdown-grace", type=float, default=15.0, metavar="SECONDS")
     run.add_argument("--node-id", default=None)
     run.add_argument("--log-level", default="INFO")
@@ -117,15 +119,16 @@ def _worker(args: argparse.Namespace) -> int:
         client = Belay(args.url, notify=args.notify)
         worker = Worker(
             queues, client=client, notify=args.notify, lease_ttl=args.lease_ttl,
-            poll_interval=args.poll_interval, busy_poll=min(0.025, args.poll_interval),
-            shutdown_grace=args.shutdown_grace, node_id=args.node_id,
+            poll_interval=args.poll_interval, busy_poll=min(args.busy_poll, args.poll_interval),
+            sweep_interval=args.sweep_interval, shutdown_grace=args.shutdown_grace,
+            node_id=args.node_id,
         )
         if not len(worker.registry):
             print("belay: no workers registered: pass --import with the module that defines "
                   "your @belay.worker functions", file=sys.stderr)
             return 2
         worker.run()
-    except (ValueError, ImportError) as exc:
+    except (ValueError, ImportError, ConfigurationError) as exc:
         print(f"belay: {exc}", file=sys.stderr)
         return 2
     except BelayError as exc:

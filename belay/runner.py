@@ -18,6 +18,7 @@ own lease (it still holds the GIL: send CPU-heavy work to several processes).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -26,7 +27,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import FrameType
@@ -206,6 +207,11 @@ class Worker:
         self._stopping.set()
         for event in self._wake.values():
             event.set()
+        # A claim already under way finishes and hands its jobs over before
+        # the running set is read, so they get their grace too.
+        producers = [t for t in self._threads if t.name.startswith("belay-producer-")]
+        for thread in producers:
+            thread.join()
         deadline = time.monotonic() + grace
         for execution in self._running():
             execution.done.wait(max(0.0, deadline - time.monotonic()))
@@ -475,12 +481,31 @@ class Worker:
             except Exception:
                 log.exception("belay: reclaiming expired leases failed; retrying")
 
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection; outside start()/stop(), a short-lived pool of its own."""
+        if self._pool is not None:
+            with self._pool.connection() as conn:
+                yield conn
+            return
+        with psycopg.connect(self.client.conninfo, autocommit=True) as probe:
+            schema.check(probe)
+            self._channel = names.notify_channel(probe.info.dbname)
+        self._pool = ConnectionPool(self.client.conninfo, min_size=1, max_size=2,
+                                    kwargs={"autocommit": True}, name="belay-worker-sync",
+                                    open=True)
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        finally:
+            self._pool.close()
+            self._pool = None
+
     def reclaim(self, limit: int = 100) -> int:
         """Retry or fail jobs whose leases expired (any node's); returns how many."""
-        assert self._pool is not None
         now = self._now()
         count = 0
-        with self._pool.connection() as conn:
+        with self._connection() as conn:
             for job_id in store.expired_leases(conn, now, limit):
                 with conn.transaction():
                     acked = store.reclaim_one(conn, job_id, now, self._backoff_for)
@@ -503,15 +528,7 @@ class Worker:
         """Run every job claimable now, one at a time in this thread, until none
         is left (or ``max_jobs``); returns counts by outcome. No threads start."""
         counts: dict[str, int] = {}
-        owned_pool = self._pool is None
-        if owned_pool:
-            with psycopg.connect(self.client.conninfo, autocommit=True) as probe:
-                schema.check(probe)
-                self._channel = names.notify_channel(probe.info.dbname)
-            self._pool = ConnectionPool(self.client.conninfo, min_size=1, max_size=2,
-                                        kwargs={"autocommit": True}, name="belay-drain",
-                                        open=True)
-        try:
+        with self._connection():
             ran = 0
             while max_jobs is None or ran < max_jobs:
                 job = self._claim_one()
@@ -526,10 +543,6 @@ class Worker:
                     outcome = self.execute(execution)
                 counts[outcome] = counts.get(outcome, 0) + 1
                 ran += 1
-        finally:
-            if owned_pool and self._pool is not None:
-                self._pool.close()
-                self._pool = None
         return counts
 
     def _claim_one(self) -> Job | None:
