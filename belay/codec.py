@@ -49,6 +49,10 @@ def dumps(value: Any, *, what: str = "value") -> bytes:
     try:
         data = orjson.dumps(value, option=_STRICT)
     except TypeError as exc:
+        if "ecursion" in str(exc):
+            raise ValidationError(
+                f"{what} is nested too deeply or contains itself; JSON needs a finite tree"
+            ) from None
         if "64-bit" in str(exc):
             # JSON (and jsonb, and the reference's decoder) has no integer
             # limit; only orjson does. The stdlib writes them exactly.
@@ -65,8 +69,13 @@ def dumps(value: Any, *, what: str = "value") -> bytes:
 def _dumps_exact(value: Any, what: str) -> bytes:
     """The slow path for integers beyond 64 bits, held to orjson's strictness."""
     stack = [value]
+    seen: set[int] = set()
     while stack:
         item = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            if id(item) in seen:
+                raise ValidationError(f"{what} contains itself; JSON needs a finite tree")
+            seen.add(id(item))
         if isinstance(item, dict):
             if not all(isinstance(key, str) for key in item):
                 raise ValidationError(f"{what} is not JSON-serializable (a dict key is not a str)")
@@ -82,6 +91,8 @@ def _dumps_exact(value: Any, what: str) -> bytes:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except ValueError:
         raise ValidationError(f"{what} contains a float JSON cannot represent") from None
+    except RecursionError:
+        raise ValidationError(f"{what} is nested too deeply for JSON") from None
     return text.encode()
 
 

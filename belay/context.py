@@ -33,6 +33,8 @@ class Execution:
         self._ended: str | None = None
         #: Set when the thread running it returns (its slot is free again).
         self.done = threading.Event()
+        #: The ident of the thread running it, once one does.
+        self.thread: int | None = None
 
     @property
     def key(self) -> tuple[int, int]:

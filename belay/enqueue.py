@@ -229,6 +229,11 @@ def _ready_at(delay: Any, run_at: Any, now: datetime) -> datetime:
     return now + timedelta(seconds=seconds)
 
 
+def check_unique(unique: Any) -> None:
+    """Raise ValidationError unless ``unique`` is a usable uniqueness rule."""
+    _unique(unique, datetime.now(timezone.utc))
+
+
 def _unique(unique: Any, now: datetime) -> tuple[str | None, str | None]:
     if unique is None:
         return None, None

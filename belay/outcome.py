@@ -7,6 +7,8 @@ backoff, or failed once the attempts are used up).
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 import traceback
 from collections.abc import Callable
@@ -20,6 +22,12 @@ from belay.errors import ValidationError
 #: How much of a traceback an error entry keeps (the errors column grows with
 #: every attempt; twenty attempts of full tracebacks would bloat every read).
 TRACEBACK_LIMIT = 4_000
+#: And how much of an exception's message.
+MESSAGE_LIMIT = 2_000
+#: The longest a retry or snooze may wait: a timestamp must be able to hold it.
+MAX_DELAY = 366 * 86_400.0
+
+log = logging.getLogger("belay.worker")
 
 Backoff = Callable[[int], float]
 
@@ -36,8 +44,14 @@ class Snooze(Exception):
     """Raise in a job to run it again after ``seconds``; not counted as an attempt."""
 
     def __init__(self, seconds: float) -> None:
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
-            raise ValidationError(f"Snooze takes seconds >= 0, got {seconds!r}")
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not 0 <= seconds <= MAX_DELAY
+        ):
+            raise ValidationError(
+                f"Snooze takes seconds from 0 to {MAX_DELAY:g} (a year), got {seconds!r}"
+            )
         super().__init__(f"snooze {seconds} s")
         self.seconds = float(seconds)
 
@@ -74,7 +88,7 @@ def error_entry(exc: BaseException, attempt: int) -> dict[str, Any]:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc)
+    text = str(exc)[:MESSAGE_LIMIT]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -84,8 +98,23 @@ def retry_or_fail(
     """A failed try: retry after the backoff, or fail once the attempts are used up."""
     if attempt >= max_attempts:
         return Outcome("failed", error=error)
-    delay = max(0.0, float(backoff(attempt)))
-    return Outcome("retry", error=error, at=now + timedelta(seconds=delay))
+    return Outcome("retry", error=error, at=now + timedelta(seconds=safe_delay(backoff, attempt)))
+
+
+def safe_delay(backoff: Backoff, attempt: int) -> float:
+    """The backoff's answer, or the default's when it raises or answers nonsense:
+    a broken backoff must not leave a job unacked."""
+    try:
+        delay = float(backoff(attempt))
+    except Exception:
+        log.exception("belay: backoff %r failed for attempt %d; using the default", backoff,
+                      attempt)
+        return default_backoff(attempt)
+    if not math.isfinite(delay) or delay > MAX_DELAY:
+        log.error("belay: backoff %r gave %r for attempt %d; using the default", backoff, delay,
+                  attempt)
+        return default_backoff(attempt)
+    return max(0.0, delay)  # a negative delay means "now", not the past
 
 
 def decide(
@@ -101,7 +130,7 @@ def decide(
     if raised is None:
         try:
             return Outcome("succeeded", result=encode_value(returned, what="the job's result"))
-        except ValidationError as exc:
+        except (ValidationError, RecursionError, MemoryError) as exc:
             # A result that can't be stored fails the attempt, not the worker.
             return retry_or_fail(
                 {"error": f"bad result: {exc}", "attempt": attempt},

@@ -7,12 +7,13 @@ set with ``name=`` so a Python worker can serve a kind an Elixir producer names.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
-from belay.enqueue import UNIQUE_MODES, Unique
-from belay.errors import ConfigurationError
+from belay.enqueue import Unique, check_unique
+from belay.errors import ConfigurationError, ValidationError
 from belay.outcome import Backoff, default_backoff
 
 if TYPE_CHECKING:
@@ -162,12 +163,19 @@ def worker(
         raise ConfigurationError(f"priority must be an integer, got {priority!r}")
     if backoff is not None and not callable(backoff):
         raise ConfigurationError("backoff must be a callable taking the attempt number")
-    if isinstance(unique, Unique) and unique.mode not in UNIQUE_MODES:
-        raise ConfigurationError(f"unique mode must be one of {', '.join(UNIQUE_MODES)}")
+    try:
+        check_unique(unique)
+    except ValidationError as exc:
+        raise ConfigurationError(f"@belay.worker unique=: {exc}") from None
 
     def register(function: JobFunction) -> WorkerDef:
         if not callable(function):
             raise ConfigurationError(f"@belay.worker decorates a function, got {function!r}")
+        if inspect.iscoroutinefunction(function):
+            raise ConfigurationError(
+                f"{function.__qualname__} is async: belay runs jobs on threads, so write it "
+                "as a plain def (call asyncio.run(...) inside if you need a loop)"
+            )
         kind = name or f"{function.__module__}.{function.__qualname__}"
         if "<locals>" in kind and name is None:
             raise ConfigurationError(

@@ -41,7 +41,7 @@ from belay.client import Belay
 from belay.context import Context, Execution
 from belay.errors import ConfigurationError
 from belay.job import Job
-from belay.outcome import Outcome, decide, default_backoff, retry_or_fail
+from belay.outcome import Outcome, decide, default_backoff, retry_or_fail, safe_delay
 from belay.registry import DEFAULT_REGISTRY, Registry
 
 log = logging.getLogger("belay.worker")
@@ -211,7 +211,7 @@ class Worker:
         # the running set is read, so they get their grace too.
         producers = [t for t in self._threads if t.name.startswith("belay-producer-")]
         for thread in producers:
-            thread.join()
+            thread.join(max(grace, 5.0))
         deadline = time.monotonic() + grace
         for execution in self._running():
             execution.done.wait(max(0.0, deadline - time.monotonic()))
@@ -222,6 +222,10 @@ class Worker:
                         self.node_id, abandoned, grace)
         for _ in self._executors:
             self._work.put(None)
+        busy = {e.thread for e in self._running()}
+        for thread in self._executors:
+            if thread.ident not in busy:
+                thread.join(1.0)
         self._halted.set()
         self._heartbeat_wake.set()
         if self._listener is not None:
@@ -355,6 +359,7 @@ class Worker:
 
     def execute(self, execution: Execution) -> str:
         """Run one claimed execution and ack it; returns the outcome recorded."""
+        execution.thread = threading.get_ident()
         job, definition = execution.job, execution.definition
         assert definition is not None
         ctx = Context(execution, self.client)
@@ -382,19 +387,17 @@ class Worker:
 
     def _ack(self, job: Job, outcome: Outcome) -> bool:
         """One fenced ack in its own transaction; False when stale (discarded)."""
-        assert self._pool is not None
+        if self._pool is None:
+            log.warning("belay: job %d attempt %d finished after its worker stopped; its "
+                        "lease will lapse and it will be reclaimed", job.id, job.attempt)
+            return False
         for attempt in range(3):
             try:
                 with self._pool.connection() as conn, conn.transaction():
                     acked = store.ack(conn, job, outcome.kind, self._now(),
                                       result=outcome.result, error=outcome.error, at=outcome.at)
-                    if acked is not None and self.client.notify:
-                        queues = {q for _, q in acked.settled.ready}
-                        results = [job.id] if outcome.terminal else []
-                        results += acked.settled.cancelled
-                        store.notify(conn, self._channel,
-                                     [store.poke_payload(q) for q in queues]
-                                     + [store.result_payload(i) for i in results])
+                    if acked is not None:
+                        self._notify_acked(conn, acked)
                 if acked is None:
                     log.warning("belay: stale ack for job %d attempt %d discarded (the job was "
                                 "reclaimed)", job.id, job.attempt)
@@ -406,6 +409,17 @@ class Worker:
                             exc_info=True)
                 self._halted.wait(0.2 * (attempt + 1))
         return False
+
+    def _notify_acked(self, conn: psycopg.Connection[Any], acked: store.Acked) -> None:
+        """Inside the ack's transaction: poke the queues it made work for, and
+        announce the results it finished (§9.2)."""
+        if not self.client.notify:
+            return
+        results = [acked.job.id] if acked.job.terminal else []
+        results += acked.settled.cancelled
+        store.notify(conn, self._channel,
+                     [store.poke_payload(q) for q in {q for _, q in acked.settled.ready}]
+                     + [store.result_payload(i) for i in results])
 
     def _finished(self, job: Job, outcome: str, duration: float, error: Any) -> None:
         log.info("job %d %s queue=%s %s attempt=%d in %.3fs", job.id, job.kind, job.queue,
@@ -507,10 +521,15 @@ class Worker:
         count = 0
         with self._connection() as conn:
             for job_id in store.expired_leases(conn, now, limit):
-                with conn.transaction():
-                    acked = store.reclaim_one(conn, job_id, now, self._backoff_for)
-                    if acked is not None and self.client.notify and acked.job.terminal:
-                        store.notify(conn, self._channel, [store.result_payload(job_id)])
+                try:
+                    with conn.transaction():
+                        acked = store.reclaim_one(conn, job_id, now, self._backoff_for)
+                        if acked is not None:
+                            self._notify_acked(conn, acked)
+                except Exception:
+                    # One bad row must not stop the pass for the rows behind it.
+                    log.exception("belay: reclaiming job %d failed", job_id)
+                    continue
                 if acked is not None:
                     count += 1
                     log.warning("belay: reclaimed job %d (lease expired) → %s", job_id,
@@ -520,7 +539,7 @@ class Worker:
     def _backoff_for(self, job: Job) -> float:
         definition = self.registry.get(job.kind)
         backoff = definition.backoff if definition is not None else default_backoff
-        return backoff(job.attempt)
+        return safe_delay(backoff, job.attempt)
 
     # -- Synchronous running (tests, scripts) ----------------------------------------------
 
