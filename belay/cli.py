@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psycopg
 
@@ -59,38 +59,46 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        return _demo(args.url)
+        return _guarded(lambda: _demo(args.url))
     if not args.url:
         print("belay: no database URL: pass --url or set BELAY_DATABASE_URL", file=sys.stderr)
         return 2
     if args.command == "worker":
-        return _worker(args)
+        return _guarded(lambda: _worker(args))
+    return _guarded(lambda: _schema(args.command, args.url))
+
+
+def _guarded(command: Callable[[], int]) -> int:
+    """Run a command, turning the errors a user can cause into a message and an exit code:
+    2 for bad usage or configuration, 1 for a database belay can't use."""
     try:
-        instance = Belay(args.url, verify_schema=False)
-    except BelayError as exc:
+        return command()
+    except (ValueError, ImportError, ConfigurationError) as exc:
         print(f"belay: {exc}", file=sys.stderr)
         return 2
-    try:
-        with instance:
-            if args.command == "migrate":
-                applied = instance.migrate()
-                status = instance.check_schema()
-                if applied:
-                    revisions = ", ".join(map(str, applied))
-                    print(f"applied migration(s) {revisions}; now at {status.describe()}")
-                else:
-                    print(f"already up to date: {status.describe()}")
-                return 0
-            status = instance.check_schema()
-            print(f"ok: {status.describe()} (belay needs revision >= {MIN_REVISION}, "
-                  f"knows up to {latest_revision()}, contract major {CONTRACT_MAJOR})")
-            return 0
     except BelayError as exc:
         print(f"belay: {exc}", file=sys.stderr)
         return 1
     except psycopg.OperationalError as exc:
         print(f"belay: cannot connect to the database: {str(exc).strip()}", file=sys.stderr)
         return 1
+
+
+def _schema(command: str, url: str) -> int:
+    with Belay(url, verify_schema=False) as instance:
+        if command == "migrate":
+            applied = instance.migrate()
+            status = instance.check_schema()
+            if applied:
+                revisions = ", ".join(map(str, applied))
+                print(f"applied migration(s) {revisions}; now at {status.describe()}")
+            else:
+                print(f"already up to date: {status.describe()}")
+            return 0
+        status = instance.check_schema()
+        print(f"ok: {status.describe()} (belay needs revision >= {MIN_REVISION}, "
+              f"knows up to {latest_revision()}, contract major {CONTRACT_MAJOR})")
+        return 0
 
 
 def _parse_queue(text: str) -> tuple[str, int]:
@@ -111,43 +119,29 @@ def _worker(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        queues = dict(_parse_queue(q) for q in args.queues) or {"default": 10}
-        sys.path.insert(0, os.getcwd())
-        for module in args.imports:
-            importlib.import_module(module)
-        client = Belay(args.url, notify=args.notify)
-        worker = Worker(
-            queues, client=client, notify=args.notify, lease_ttl=args.lease_ttl,
-            poll_interval=args.poll_interval, busy_poll=min(args.busy_poll, args.poll_interval),
-            sweep_interval=args.sweep_interval, shutdown_grace=args.shutdown_grace,
-            node_id=args.node_id,
-        )
-        if not len(worker.registry):
-            print("belay: no workers registered: pass --import with the module that defines "
-                  "your @belay.worker functions", file=sys.stderr)
-            return 2
-        worker.run()
-    except (ValueError, ImportError, ConfigurationError) as exc:
-        print(f"belay: {exc}", file=sys.stderr)
+    queues = dict(_parse_queue(q) for q in args.queues) or {"default": 10}
+    sys.path.insert(0, os.getcwd())
+    for module in args.imports:
+        importlib.import_module(module)
+    client = Belay(args.url, notify=args.notify)
+    worker = Worker(
+        queues, client=client, notify=args.notify, lease_ttl=args.lease_ttl,
+        poll_interval=args.poll_interval, busy_poll=min(args.busy_poll, args.poll_interval),
+        sweep_interval=args.sweep_interval, shutdown_grace=args.shutdown_grace,
+        node_id=args.node_id,
+    )
+    if not len(worker.registry):
+        print("belay: no workers registered: pass --import with the module that defines "
+              "your @belay.worker functions", file=sys.stderr)
         return 2
-    except BelayError as exc:
-        print(f"belay: {exc}", file=sys.stderr)
-        return 1
-    except psycopg.OperationalError as exc:
-        print(f"belay: cannot connect to the database: {str(exc).strip()}", file=sys.stderr)
-        return 1
+    worker.run()
     return 0
 
 
 def _demo(url: str | None) -> int:
     from belay import demo
 
-    try:
-        demo.run(url)
-    except BelayError as exc:
-        print(f"belay: {exc}", file=sys.stderr)
-        return 1
+    demo.run(url)
     return 0
 
 

@@ -412,8 +412,9 @@ class Worker:
 
     def _notify_acked(self, conn: psycopg.Connection[Any], acked: store.Acked) -> None:
         """Inside the ack's transaction: poke the queues it made work for, and
-        announce the results it finished (§9.2)."""
-        if not self.client.notify:
+        announce the results it finished (§9.2). Only with ``notify=True``: a
+        NOTIFY serializes commits, so it is opt-in, like the LISTEN side."""
+        if not self.notify:
             return
         results = [acked.job.id] if acked.job.terminal else []
         results += acked.settled.cancelled

@@ -82,9 +82,13 @@ def reclaimer(client: belay.Belay, registry: belay.Registry | None = None,
         yield worker
 
 
-def reclaim(client: belay.Belay, registry: belay.Registry | None = None) -> int:
+def reclaim(
+    client: belay.Belay, registry: belay.Registry | None = None, **options: Any
+) -> int:
     """One synchronous reclaim pass by a worker that was never started."""
-    return make_worker(client, registry or belay.Registry(), ("nothing-here",)).reclaim()
+    return make_worker(
+        client, registry or belay.Registry(), ("nothing-here",), **options
+    ).reclaim()
 
 
 class Ends:
@@ -707,7 +711,7 @@ def test_reclaim_of_an_unknown_kind_uses_the_default_backoff(client, sql_conn, c
 def test_reclaim_fails_a_job_out_of_attempts(client, sql_conn, clock, notes) -> None:
     job_id = running_job(sql_conn, attempt=3, max_attempts=3,
                          lease_until=START - timedelta(seconds=1))
-    assert reclaim(client) == 1
+    assert reclaim(client, notify=True) == 1
     row = job_row(sql_conn, job_id)
     assert (row["state"], row["attempt"], row["finished_at"]) == ("failed", 3, START)
     assert row["errors"][-1]["error"] == "lease_expired"
@@ -750,7 +754,7 @@ def test_reclaim_sends_the_wake_ups_an_ack_would(client, sql_conn, notes) -> Non
     a = running_job(sql_conn, workflow_id="wf", wf_name="a", max_attempts=1,
                     lease_until=START - timedelta(seconds=1))
     b = insert_job(sql_conn, workflow_id="wf", wf_name="b", state="held", wf_deps=["a"])
-    assert reclaim(client) == 2
+    assert reclaim(client, notify=True) == 2
     received = notes.received()
     assert {"t": "r", "id": a} in received
     assert {"t": "p", "q": "parents"} in received
@@ -1277,3 +1281,11 @@ def test_a_worker_refuses_to_start_on_an_unmigrated_database(empty_db_url) -> No
         assert_worker_threads_gone()
         with pytest.raises(belay.SchemaError):
             worker.drain()
+
+
+def test_without_notify_the_worker_sends_no_notifications(client, sql_conn, notes) -> None:
+    """pg_notify serializes commits, so the worker's sends are opt-in (notify=True)."""
+    job_id = running_job(sql_conn, max_attempts=1, lease_until=START - timedelta(seconds=1))
+    assert reclaim(client) == 1
+    assert job_row(sql_conn, job_id)["state"] == "failed"
+    assert notes.received() == []
