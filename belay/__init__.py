@@ -19,7 +19,7 @@ from belay import errors
 from belay.client import Belay, CancelStatus
 from belay.clock import Clock, ManualClock, SystemClock
 from belay.codec import Opaque
-from belay.context import Context, Interrupted
+from belay.context import Context, Cost, Interrupted
 from belay.enqueue import JobSpec, Unique
 from belay.errors import (
     BelayError,
@@ -51,6 +51,7 @@ __all__ = [
     "ConfigurationError",
     "Context",
     "ContractMismatch",
+    "Cost",
     "Event",
     "Interrupted",
     "Job",

@@ -4,12 +4,44 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from belay import names, store
+from belay.codec import decode_value, encode_value
+from belay.enqueue import usd_to_micros
+from belay.errors import ValidationError
 
 if TYPE_CHECKING:
     from belay.client import Belay
     from belay.job import Job
     from belay.registry import WorkerDef
+
+T = TypeVar("T")
+
+#: §2: the reference refuses step values over 1 MiB; so do we, before writing.
+MAX_STEP_VALUE = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a step spent: dollars (stored as micro-dollars) and tokens."""
+
+    usd: float = 0.0
+    tokens: int = 0
+
+
+class BudgetExceeded(BaseException):
+    """The job's recorded spend went over its budget (§8.2): it fails now."""
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        super().__init__(f"budget exceeded: {entry}")
+        self.entry = entry
+
+
+class CancelRequested(BaseException):
+    """An operator asked to cancel this job (§8.6); honoured at a step boundary."""
 
 
 class Interrupted(BaseException):
@@ -60,6 +92,7 @@ class Context:
     def __init__(self, execution: Execution, client: Belay) -> None:
         self._execution = execution
         self.client = client
+        self._in_step = False
 
     @property
     def job(self) -> Job:
@@ -105,3 +138,100 @@ class Context:
                 f"job {self.id} attempt {self.attempt}: "
                 + ("lease lost" if why == "lost" else "timed out")
             )
+
+    # -- Durable steps (§8.2) ---------------------------------------------------------
+
+    def step(
+        self,
+        name: str,
+        fn: Callable[[], T],
+        *,
+        cost: Cost | Mapping[str, Any] | None = None,
+    ) -> T | Any:
+        """Run ``fn`` once per job, ever: its value is journaled under ``name`` and
+        every later attempt gets the journaled value back without running it.
+
+        ``cost`` (``belay.Cost(usd=…, tokens=…)``) is added to the job's spend in
+        the same transaction as the journal entry; a job whose spend goes over its
+        budget fails with ``budget_exceeded``. A pending cancel request, a lost
+        lease or a timeout stop the job here, before ``fn`` runs.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"a step name is a non-empty string, got {name!r}")
+        if name.startswith(names.RESERVED_PREFIX):
+            raise ValidationError(f"step names starting with '$' are reserved for belay: {name!r}")
+        if self._in_step:
+            raise ValidationError(
+                f"step {name!r} was called inside another step; steps don't nest — call it "
+                "after the outer step returns"
+            )
+        usd_micros, tokens = _cost(cost)
+        self.checkpoint()
+        job_id = self.id
+        with self.client.connection() as conn:
+            hit, envelope = store.get_step(conn, job_id, name)
+        if hit:
+            return decode_value(envelope)
+        self._preflight(name)
+        self._in_step = True
+        try:
+            value = fn()
+        finally:
+            self._in_step = False
+        envelope = encode_value(value, what=f"the value of step {name!r}")
+        if len(envelope) > MAX_STEP_VALUE:
+            raise ValidationError(
+                f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
+                f"{MAX_STEP_VALUE} (1 MiB): store large data elsewhere and journal a reference"
+            )
+        with self.client.transaction() as conn:
+            spend = store.put_step(conn, job_id, name, envelope, usd_micros, tokens,
+                                   self.client.clock.now())
+            if spend is not None and not spend["journaled"]:
+                # Another run of this job journaled it first: its value stands (§11.3).
+                _, envelope = store.get_step(conn, job_id, name)
+                value = decode_value(envelope)
+        if spend is not None:
+            self._check_budget(spend, name)
+        return value
+
+    def _preflight(self, name: str) -> None:
+        """§8.2: before paying for a step, re-read the durable spend — a crash
+        between journaling an over-budget step and the failing ack must not buy
+        one more step on the next attempt. Also honours a cancel request (§8.6)."""
+        with self.client.connection() as conn:
+            spend = store.job_spend(conn, self.id)
+        if spend is None:
+            return
+        if spend["cancel_requested"]:
+            raise CancelRequested(f"job {self.id}: cancel requested")
+        self._check_budget(spend, name)
+
+    def _check_budget(self, spend: Mapping[str, Any], name: str) -> None:
+        over_usd = (spend["budget_usd_micros"] is not None
+                    and spend["spent_usd_micros"] > spend["budget_usd_micros"])
+        over_tokens = (spend["budget_tokens"] is not None
+                       and spend["spent_tokens"] > spend["budget_tokens"])
+        if over_usd or over_tokens:
+            raise BudgetExceeded({
+                "error": "budget_exceeded", "step": name, "attempt": self.attempt,
+                "spent_usd_micros": spend["spent_usd_micros"],
+                "budget_usd_micros": spend["budget_usd_micros"],
+                "spent_tokens": spend["spent_tokens"], "budget_tokens": spend["budget_tokens"],
+            })
+
+
+def _cost(cost: Cost | Mapping[str, Any] | None) -> tuple[int, int]:
+    if cost is None:
+        return 0, 0
+    if isinstance(cost, Mapping):
+        unknown = sorted(set(cost) - {"usd", "tokens"})
+        if unknown:
+            raise ValidationError(f"unknown cost key(s) {unknown}; use 'usd' and 'tokens'")
+        cost = Cost(usd=cost.get("usd", 0.0), tokens=cost.get("tokens", 0))
+    if not isinstance(cost, Cost):
+        raise ValidationError(f"cost is a belay.Cost or a dict, got {type(cost).__name__}")
+    tokens = cost.tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValidationError(f"cost tokens must be an integer >= 0, got {tokens!r}")
+    return usd_to_micros(cost.usd, what="cost usd"), tokens

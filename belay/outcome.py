@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from belay.codec import encode_value
+from belay.context import BudgetExceeded, CancelRequested
 from belay.errors import ValidationError
 
 #: How much of a traceback an error entry keeps (the errors column grows with
@@ -136,6 +137,10 @@ def decide(
                 {"error": f"bad result: {exc}", "attempt": attempt},
                 attempt, max_attempts, now, backoff,
             )
+    if isinstance(raised, BudgetExceeded):
+        return Outcome("failed", error=raised.entry)
+    if isinstance(raised, CancelRequested):
+        return Outcome("cancelled", error={"reason": "cancel_requested", "attempt": attempt})
     if isinstance(raised, Cancel):
         return Outcome("cancelled", error={"reason": raised.reason})
     if isinstance(raised, Snooze):

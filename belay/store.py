@@ -432,3 +432,34 @@ def reclaim_one(
         return ack(conn, job, "failed", now, error=error)
     return ack(conn, job, "retry", now, error=error,
                at=now + timedelta(seconds=max(0.0, backoff(job))))
+
+
+# -- Steps (§8.2) ------------------------------------------------------------------
+
+
+def get_step(conn: Conn, job_id: int, name: str) -> tuple[bool, bytes | None]:
+    """A journaled step's envelope: ``(True, value)`` on a hit, ``(False, None)`` on a miss."""
+    found = _rows(conn, "get_step", (job_id, name))
+    if not found:
+        return False, None
+    value = found[0]["value"]
+    return True, None if value is None else bytes(value)
+
+
+def job_spend(conn: Conn, job_id: int) -> dict[str, Any] | None:
+    found = _rows(conn, "job_spend", (job_id,))
+    return found[0] if found else None
+
+
+def put_step(
+    conn: Conn, job_id: int, name: str, value: bytes, usd_micros: int, tokens: int,
+    now: datetime,
+) -> dict[str, Any] | None:
+    """Journal a step and add its cost, atomically; returns the job's spend and caps
+    and whether this call journaled it (False: another run got there first)."""
+    found = _rows(conn, "put_step", {
+        "job_id": job_id, "name": name, "value": value, "usd_micros": usd_micros,
+        "tokens": tokens, "now": now,
+    })
+    return found[0] if found else None
+

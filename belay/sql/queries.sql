@@ -291,3 +291,30 @@ LIMIT %s;
 SELECT {job_columns} FROM belay_jobs
 WHERE id = %s AND state = 'running' AND lease_until <= %s
 FOR UPDATE SKIP LOCKED;
+
+-- name: get_step
+SELECT value FROM belay_steps WHERE job_id = %s AND name = %s;
+
+-- name: job_spend
+-- §8.2 pre-flight: the durable spend and caps, and a pending cancel (§8.6).
+SELECT spent_usd_micros, spent_tokens, budget_usd_micros, budget_tokens, cancel_requested
+FROM belay_jobs WHERE id = %s;
+
+-- name: put_step
+-- §8.2 journal + spend in one statement. The spend is added only when this
+-- call journaled the step: a racing duplicate (a zombie attempt) neither
+-- overwrites the value nor pays twice.
+WITH journaled AS (
+  INSERT INTO belay_steps (job_id, seq, name, value, usd_micros, tokens, inserted_at)
+  VALUES (%(job_id)s,
+          (SELECT COALESCE(max(seq), 0) + 1 FROM belay_steps WHERE job_id = %(job_id)s),
+          %(name)s, %(value)s, %(usd_micros)s, %(tokens)s, %(now)s)
+  ON CONFLICT (job_id, name) DO NOTHING
+  RETURNING usd_micros, tokens
+)
+UPDATE belay_jobs
+SET spent_usd_micros = spent_usd_micros + COALESCE((SELECT usd_micros FROM journaled), 0),
+    spent_tokens = spent_tokens + COALESCE((SELECT tokens FROM journaled), 0)
+WHERE id = %(job_id)s
+RETURNING spent_usd_micros, spent_tokens, budget_usd_micros, budget_tokens,
+          EXISTS (SELECT 1 FROM journaled) AS journaled;
