@@ -19,7 +19,7 @@ from belay import errors
 from belay.client import Belay, CancelStatus
 from belay.clock import Clock, ManualClock, SystemClock
 from belay.codec import Opaque
-from belay.context import Context, Cost, Interrupted
+from belay.context import TIMEOUT, Context, Cost, Interrupted
 from belay.enqueue import JobSpec, Unique
 from belay.errors import (
     BelayError,
@@ -43,6 +43,7 @@ from belay.schema import CONTRACT_MAJOR, MIN_REVISION, SchemaStatus
 __all__ = [
     "CONTRACT_MAJOR",
     "MIN_REVISION",
+    "TIMEOUT",
     "Belay",
     "BelayError",
     "Cancel",

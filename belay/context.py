@@ -6,10 +6,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from belay import names, store
-from belay.codec import decode_value, encode_value
+from belay.codec import decode_value, dumps_object, encode_value
 from belay.enqueue import usd_to_micros
 from belay.errors import ValidationError
 
@@ -42,6 +43,44 @@ class BudgetExceeded(BaseException):
 
 class CancelRequested(BaseException):
     """An operator asked to cancel this job (§8.6); honoured at a step boundary."""
+
+
+class Park(BaseException):
+    """The job waits for a signal (§7): the worker parks it and its thread is free."""
+
+    def __init__(self, scope: str, name: str, deadline: datetime | None) -> None:
+        super().__init__(f"awaiting {name!r} in {scope}")
+        self.scope = scope
+        self.name = name
+        self.deadline = deadline
+
+
+class Sleep(BaseException):
+    """A durable sleep that is not over: the job snoozes until ``until``."""
+
+    def __init__(self, until: datetime) -> None:
+        super().__init__(f"sleeping until {until.isoformat()}")
+        self.until = until
+
+
+class _Timeout:
+    """``ctx.await_signal`` returns this when the deadline passed without a signal."""
+
+    _instance: _Timeout | None = None
+
+    def __new__(cls) -> _Timeout:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "belay.TIMEOUT"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+TIMEOUT = _Timeout()
 
 
 class Interrupted(BaseException):
@@ -160,6 +199,11 @@ class Context:
             raise ValidationError(f"a step name is a non-empty string, got {name!r}")
         if name.startswith(names.RESERVED_PREFIX):
             raise ValidationError(f"step names starting with '$' are reserved for belay: {name!r}")
+        return self._step(name, fn, cost)
+
+    def _step(
+        self, name: str, fn: Callable[[], T], cost: Cost | Mapping[str, Any] | None
+    ) -> T | Any:
         if self._in_step:
             raise ValidationError(
                 f"step {name!r} was called inside another step; steps don't nest — call it "
@@ -219,6 +263,76 @@ class Context:
                 "budget_usd_micros": spend["budget_usd_micros"],
                 "spent_tokens": spend["spent_tokens"], "budget_tokens": spend["budget_tokens"],
             })
+
+
+    # -- Events, signals, steering, sleep (§7, §8.1) ------------------------------------
+
+    def emit(self, payload: Mapping[str, Any]) -> int:
+        """Append ``payload`` (a dict) to this job's event stream; returns its seq.
+
+        Not journaled: a job that runs again emits again (readers dedupe by content
+        if they need to)."""
+        body = dumps_object(payload, what="an event payload").decode()
+        self.checkpoint()
+        with self.client.connection() as conn:
+            return store.append_event(conn, self.id, body, self.client.clock.now())
+
+    def _scopes(self) -> list[str]:
+        scopes = [names.job_scope(self.id)]
+        if self.job.workflow_id is not None:
+            scopes.append(names.workflow_scope(self.job.workflow_id))
+        return scopes
+
+    def steering(self) -> Any:
+        """The latest steering payload sent with ``belay.steer_job``, or None."""
+        with self.client.connection() as conn:
+            found, payload = store.get_signal(conn, self._scopes(), names.STEER)
+        return payload if found else None
+
+    def await_signal(self, name: str, timeout: float | None = None) -> Any:
+        """Wait for the signal ``name`` (sent to ``job:<id>``, or ``wf:<workflow>``).
+
+        Delivered already: returns its payload at once. Otherwise the job is
+        parked — no thread, no lease — and runs again from the top when the
+        signal arrives (steps replay), this time getting the payload. After
+        ``timeout`` seconds without it, returns ``belay.TIMEOUT`` (falsy).
+        """
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"a signal name is a non-empty string, got {name!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+        ):
+            raise ValidationError(f"timeout must be seconds >= 0 or None, got {timeout!r}")
+        if self._in_step:
+            raise ValidationError("await_signal can't run inside a step")
+        self.checkpoint()
+        scopes = self._scopes()
+        with self.client.connection() as conn:
+            found, payload = store.get_signal(conn, scopes, name)
+        if found:
+            return payload
+        now = self.client.clock.now()
+        job = self.job
+        # Claimed back from awaiting because its deadline came (§4): a timeout.
+        if job.await_name == name and job.ready_at is not None and job.ready_at <= now:
+            return TIMEOUT
+        deadline = None if timeout is None else now + timedelta(seconds=timeout)
+        raise Park(scopes[0], name, deadline)
+
+    def sleep(self, name: str, seconds: float) -> None:
+        """Sleep durably: the wake time is journaled (step ``$sleep:<name>``), the job
+        snoozes until then without holding a thread, and continues after it."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+            raise ValidationError(f"sleep takes seconds >= 0, got {seconds!r}")
+        now = self.client.clock.now()
+        target = self._step(
+            f"$sleep:{name}", lambda: (now + timedelta(seconds=seconds)).isoformat(), None
+        )
+        if not isinstance(target, str):
+            return  # another SDK's $sleep value: never interpreted (§2)
+        until = datetime.fromisoformat(target)
+        if self.client.clock.now() < until:
+            raise Sleep(until)
 
 
 def _cost(cost: Cost | Mapping[str, Any] | None) -> tuple[int, int]:

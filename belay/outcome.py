@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from belay.codec import encode_value
-from belay.context import BudgetExceeded, CancelRequested
+from belay.context import BudgetExceeded, CancelRequested, Sleep
 from belay.errors import ValidationError
 
 #: How much of a traceback an error entry keeps (the errors column grows with
@@ -145,4 +145,6 @@ def decide(
         return Outcome("cancelled", error={"reason": raised.reason})
     if isinstance(raised, Snooze):
         return Outcome("snooze", at=now + timedelta(seconds=raised.seconds))
+    if isinstance(raised, Sleep):
+        return Outcome("snooze", at=raised.until)
     return retry_or_fail(error_entry(raised, attempt), attempt, max_attempts, now, backoff)

@@ -38,7 +38,7 @@ from psycopg_pool import ConnectionPool
 
 from belay import names, schema, store
 from belay.client import Belay
-from belay.context import Context, Execution
+from belay.context import Context, Execution, Park
 from belay.errors import ConfigurationError
 from belay.job import Job
 from belay.outcome import Outcome, decide, default_backoff, retry_or_fail, safe_delay
@@ -377,6 +377,10 @@ class Worker:
                         "error" if raised else "result")
             self._finished(job, why, duration, raised)
             return why
+        if isinstance(raised, Park):
+            kind = self._park(job, raised)
+            self._finished(job, kind, duration, None)
+            return kind
         outcome = decide(returned=returned, raised=raised, attempt=job.attempt,
                          max_attempts=job.max_attempts, now=self._now(),
                          backoff=definition.backoff)
@@ -409,6 +413,20 @@ class Worker:
                             exc_info=True)
                 self._halted.wait(0.2 * (attempt + 1))
         return False
+
+    def _park(self, job: Job, park: Park) -> str:
+        """§7 park-and-wake: "await", or "ready" when the signal was already there."""
+        if self._pool is None:
+            return "stale"
+        with self._pool.connection() as conn, conn.transaction():
+            parked = store.park_await(conn, job.id, job.attempt, park.scope, park.name,
+                                      park.deadline, self._now())
+            if parked == "ready" and self.notify:
+                store.notify(conn, self._channel, [store.poke_payload(job.queue)])
+        if parked is None:
+            log.warning("belay: stale park of job %d attempt %d discarded", job.id, job.attempt)
+            return "stale"
+        return "await" if parked == "awaiting" else "woken"
 
     def _notify_acked(self, conn: psycopg.Connection[Any], acked: store.Acked) -> None:
         """Inside the ack's transaction: poke the queues it made work for, and

@@ -463,3 +463,9 @@ def put_step(
     })
     return found[0] if found else None
 
+
+def append_event(conn: Conn, job_id: int, payload_json: str, now: datetime) -> int:
+    """Append to a job's event stream; returns the new entry's seq."""
+    return int(_value(conn, "append_event", {"job_id": job_id, "payload": payload_json,
+                                             "now": now}))
+

@@ -318,3 +318,11 @@ SET spent_usd_micros = spent_usd_micros + COALESCE((SELECT usd_micros FROM journ
 WHERE id = %(job_id)s
 RETURNING spent_usd_micros, spent_tokens, budget_usd_micros, budget_tokens,
           EXISTS (SELECT 1 FROM journaled) AS journaled;
+
+-- name: append_event
+-- Append-only per-job stream; seq is the job's next number.
+INSERT INTO belay_events (job_id, seq, payload, inserted_at)
+VALUES (%(job_id)s,
+        (SELECT COALESCE(max(seq), 0) + 1 FROM belay_events WHERE job_id = %(job_id)s),
+        %(payload)s::jsonb, %(now)s)
+RETURNING seq;
