@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from belay import names, store
 from belay.codec import decode_value, dumps_object, encode_value
-from belay.enqueue import usd_to_micros
+from belay.enqueue import JobSpec, usd_to_micros
 from belay.errors import ValidationError
 
 if TYPE_CHECKING:
     from belay.client import Belay
     from belay.job import Job
-    from belay.registry import WorkerDef
+    from belay.registry import Registry, WorkerDef
 
 T = TypeVar("T")
 
@@ -128,9 +128,13 @@ class Execution:
 class Context:
     """Passed to a worker function: the job, and the run's link to belay."""
 
-    def __init__(self, execution: Execution, client: Belay) -> None:
+    def __init__(
+        self, execution: Execution, client: Belay, registry: Registry | None = None
+    ) -> None:
         self._execution = execution
         self.client = client
+        #: Where child kinds named by string find their worker's defaults.
+        self.registry = registry if registry is not None else client.registry
         self._in_step = False
 
     @property
@@ -333,6 +337,76 @@ class Context:
         until = datetime.fromisoformat(target)
         if self.client.clock.now() < until:
             raise Sleep(until)
+
+
+    # -- Children (§8.4) ---------------------------------------------------------------
+
+    def spawn_many(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],
+                   **options: Any) -> list[int]:
+        """Enqueue one child job per input, exactly once however often this runs.
+
+        Doubly idempotent (§8.4): the id list is journaled as step
+        ``$spawn:<name>``, and each child carries the always-unique key
+        ``$spawn:<parent>:<name>:<index>``, so a crash between inserting the
+        children and journaling the list can't duplicate them. ``options`` are
+        enqueue options for every child (queue, priority, budget, …).
+        """
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"a spawn name is a non-empty string, got {name!r}")
+        inputs = list(inputs)
+        if isinstance(kind, str):
+            kind = self.registry.get(kind) or kind
+        specs = [
+            JobSpec(kind, child_input, **options, internal={
+                "parent_id": self.id, "unique_key": names.spawn_key(self.id, name, index),
+                "unique_mode": "always",
+            })
+            for index, child_input in enumerate(inputs)
+        ]
+
+        def insert() -> list[int]:
+            # Ids come back for inserted children and for holders of their keys
+            # alike: the list is rebuilt from the keys, never trusted from a
+            # partial insert.
+            return [job.id for job in self.client.enqueue_many(specs)]
+
+        ids = self._step(f"$spawn:{name}", insert, None)
+        if not isinstance(ids, list):
+            raise ValidationError(f"step $spawn:{name} holds {ids!r}, not a list of job ids")
+        return ids
+
+    def spawn(self, name: str, kind: Any, input: Mapping[str, Any] | None = None,
+              **options: Any) -> int:
+        """Enqueue one child job exactly once; returns its id."""
+        return self.spawn_many(name, kind, [input or {}], **options)[0]
+
+    def await_children(self) -> list[Job]:
+        """Wait until every child of this job is terminal; returns them, oldest first.
+
+        Parks on ``$children`` (no thread held) until a child's terminal write
+        signals it; re-verifies on every wake (§8.4, races R1/R2).
+        """
+        self.checkpoint()
+        scope = names.job_scope(self.id)
+        for verify in range(2):
+            with self.client.connection() as conn:
+                kids = store.children(conn, self.id)
+            if all(kid.terminal for kid in kids):
+                return kids
+            if verify == 0:
+                # A $children signal from an earlier child is stale now; clear it,
+                # then look again, so a child finishing in between is not missed.
+                with self.client.transaction() as conn:
+                    store.clear_signal(conn, scope, names.CHILDREN)
+        raise Park(scope, names.CHILDREN, None)
+
+    def map_children(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],
+                     **options: Any) -> list[Job]:
+        """Fan out one child per input and fan in: their jobs (``.result``,
+        ``.state``) in input order, once all are terminal."""
+        ids = self.spawn_many(name, kind, inputs, **options)
+        by_id = {kid.id: kid for kid in self.await_children()}
+        return [by_id[i] for i in ids]
 
 
 def _cost(cost: Cost | Mapping[str, Any] | None) -> tuple[int, int]:

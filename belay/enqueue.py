@@ -62,7 +62,7 @@ SPEC_FIELDS: Final = frozenset(
 )
 _INTERNAL_FIELDS: Final = frozenset(
     ("state", "workflow_id", "wf_name", "wf_deps", "wf_ignore", "cron_name", "cron_slot",
-     "parent_id")
+     "parent_id", "unique_key", "unique_mode")
 )
 
 
@@ -154,7 +154,11 @@ def build_row(spec: JobSpec, now: datetime) -> Row:
     priority = _int("priority", opt("priority", 0), *_INT32)
     max_attempts = _int("max_attempts", opt("max_attempts", DEFAULT_MAX_ATTEMPTS), 1, _INT32[1])
     ready_at = _ready_at(spec.delay, spec.run_at, now)
-    unique_key, unique_mode = _unique(opt("unique", None), now)
+    if "unique_key" in internal:
+        # belay's own keys (§8.4 spawn keys) are reserved names: set, not validated.
+        unique_key, unique_mode = internal["unique_key"], internal["unique_mode"]
+    else:
+        unique_key, unique_mode = _unique(opt("unique", None), now)
     budget_usd_micros, budget_tokens = _budget(opt("budget", None))
 
     partition_key = spec.partition_key

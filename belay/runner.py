@@ -362,7 +362,7 @@ class Worker:
         execution.thread = threading.get_ident()
         job, definition = execution.job, execution.definition
         assert definition is not None
-        ctx = Context(execution, self.client)
+        ctx = Context(execution, self.client, self.registry)
         raised: BaseException | None = None
         returned: Any = None
         try:
@@ -511,6 +511,7 @@ class Worker:
         while not self._halted.wait(self.sweep_interval):
             try:
                 self.reclaim()
+                self.reconcile()
             except Exception:
                 log.exception("belay: reclaiming expired leases failed; retrying")
 
@@ -554,6 +555,17 @@ class Worker:
                     log.warning("belay: reclaimed job %d (lease expired) → %s", job_id,
                                 acked.job.state)
         return count
+
+    def reconcile(self) -> int:
+        """§8.4 backstop (race R2): wake parents whose children are all terminal
+        but which still await ``$children``; returns how many."""
+        with self._connection() as conn, conn.transaction():
+            woken = store.resettle_parents(conn, self._now())
+            if woken and self.notify:
+                store.notify(conn, self._channel, [store.poke_payload(q) for _, q in woken])
+        for job_id, _ in woken:
+            log.warning("belay: reconciler woke parent job %d (its children are done)", job_id)
+        return len(woken)
 
     def _backoff_for(self, job: Job) -> float:
         definition = self.registry.get(job.kind)

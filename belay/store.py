@@ -464,6 +464,15 @@ def put_step(
     return found[0] if found else None
 
 
+def children(conn: Conn, parent_id: int) -> list[Job]:
+    return [Job.from_row(r) for r in _rows(conn, "children", (parent_id,))]
+
+
+def resettle_parents(conn: Conn, now: datetime) -> list[tuple[int, str]]:
+    """§8.4 backstop (R2): wake parents whose children are all terminal."""
+    return [(r["id"], r["queue"]) for r in _rows(conn, "resettle_parents", {"now": now})]
+
+
 def append_event(conn: Conn, job_id: int, payload_json: str, now: datetime) -> int:
     """Append to a job's event stream; returns the new entry's seq."""
     return int(_value(conn, "append_event", {"job_id": job_id, "payload": payload_json,

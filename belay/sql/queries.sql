@@ -326,3 +326,20 @@ VALUES (%(job_id)s,
         (SELECT COALESCE(max(seq), 0) + 1 FROM belay_events WHERE job_id = %(job_id)s),
         %(payload)s::jsonb, %(now)s)
 RETURNING seq;
+
+-- name: children
+SELECT {job_columns} FROM belay_jobs WHERE parent_id = %s ORDER BY id;
+
+-- name: resettle_parents
+-- §8.4 reconciler backstop (race R2): a parent awaiting $children whose
+-- children all exist and are terminal is made ready, whatever happened to the
+-- signal that should have woken it.
+UPDATE belay_jobs AS p
+SET state = 'ready', ready_at = %(now)s, await_scope = NULL, await_name = NULL
+WHERE p.state = 'awaiting' AND p.await_name = '$children'
+  AND EXISTS (SELECT 1 FROM belay_jobs c WHERE c.parent_id = p.id)
+  AND NOT EXISTS (
+    SELECT 1 FROM belay_jobs c
+    WHERE c.parent_id = p.id AND c.state NOT IN ('succeeded', 'failed', 'cancelled')
+  )
+RETURNING p.id, p.queue;

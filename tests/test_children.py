@@ -1,0 +1,139 @@
+"""Dynamic children (contract §8.4): doubly idempotent spawn, fan-in, races R1 and R2."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+import belay
+from belay import store
+from belay.testing import drain
+from tests.helpers import job_row
+
+
+@pytest.fixture
+def registry() -> belay.Registry:
+    reg = belay.Registry()
+
+    @belay.worker(name="t.kid", queue="kids", registry=reg)
+    def kid(ctx: belay.Context) -> Any:
+        if ctx.input.get("fail"):
+            raise belay.Cancel("kid gave up")
+        return ctx.input["n"] * 10
+
+    @belay.worker(name="t.parent", registry=reg)
+    def parent(ctx: belay.Context) -> Any:
+        kids = ctx.map_children("fan", "t.kid", ctx.input["inputs"])
+        return [(k.state, k.result) for k in kids]
+
+    return reg
+
+
+def test_map_children_fans_out_and_in_in_input_order(client, registry, sql_conn):
+    parent = client.enqueue("t.parent", {"inputs": [{"n": n} for n in range(5)]})
+    assert drain(client=client, registry=registry) == {"await": 1}
+    kids = client.list_jobs(parent_id=parent.id, limit=100)
+    assert sorted(k.unique_key for k in kids) == sorted(
+        f"$spawn:{parent.id}:fan:{i}" for i in range(5))
+    assert {k.unique_mode for k in kids} == {"always"} and {k.queue for k in kids} == {"kids"}
+    assert drain("kids", client=client, registry=registry) == {"succeeded": 5}
+    # The last child's terminal write signalled the parent, which is ready again.
+    assert job_row(sql_conn, parent.id)["state"] == "ready"
+    assert drain(client=client, registry=registry) == {"succeeded": 1}
+    assert client.get_job(parent.id).result == [["succeeded", n * 10] for n in range(5)]
+    steps = {s.name: s.value for s in client.steps(parent.id)}
+    assert steps["$spawn:fan"] == sorted(k.id for k in kids)
+
+
+def test_failed_or_cancelled_children_still_complete_the_fan_in(client, registry):
+    parent = client.enqueue("t.parent", {"inputs": [{"n": 1}, {"n": 2, "fail": True}]})
+    drain(client=client, registry=registry)
+    drain("kids", client=client, registry=registry)
+    drain(client=client, registry=registry)
+    assert client.get_job(parent.id).result == [["succeeded", 10], ["cancelled", None]]
+
+
+def test_a_crash_between_insert_and_journal_yields_exactly_the_declared_children(
+    client, registry, sql_conn
+):
+    """§8.4, §11.8: the spawn ran, the children exist, but the journal entry was lost."""
+    parent = client.enqueue("t.parent", {"inputs": [{"n": n} for n in range(3)]})
+    drain(client=client, registry=registry)
+    sql_conn.execute("DELETE FROM belay_steps WHERE job_id = %s", (parent.id,))
+    sql_conn.execute(
+        "UPDATE belay_jobs SET state = 'ready', await_scope = NULL, await_name = NULL "
+        "WHERE id = %s", (parent.id,))
+    drain(client=client, registry=registry)  # spawns again: finds the same three
+    kids = client.list_jobs(parent_id=parent.id, limit=100)
+    assert len(kids) == 3
+    drain("kids", client=client, registry=registry)
+    drain(client=client, registry=registry)
+    assert client.get_job(parent.id).result == [["succeeded", n * 10] for n in range(3)]
+
+
+def test_two_last_children_finishing_together_wake_the_parent(db_url, registry, clock):
+    """Race R1: never count-gate sibling completion; each terminal write signals."""
+    for _ in range(10):
+        with belay.Belay(db_url, registry=registry, clock=clock) as client:
+            parent = client.enqueue("t.parent", {"inputs": [{"n": 1}, {"n": 2}]})
+            drain(client=client, registry=registry)
+            kids = client.list_jobs(parent_id=parent.id)
+            with psycopg.connect(db_url, autocommit=True) as conn:
+                for kid in kids:
+                    conn.execute("UPDATE belay_jobs SET state = 'running', attempt = 1 "
+                                 "WHERE id = %s", (kid.id,))
+            barrier = threading.Barrier(len(kids))
+
+            def finish(kid: belay.Job, barrier: threading.Barrier = barrier) -> None:
+                with psycopg.connect(db_url) as conn, conn.transaction():
+                    barrier.wait(5)
+                    running = kid.replace(attempt=1)
+                    assert store.ack(conn, running, "succeeded", clock.now(),
+                                     result=b"1") is not None
+
+            threads = [threading.Thread(target=finish, args=(k,)) for k in kids]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert client.get_job(parent.id).state == "ready"
+
+
+def test_the_reconciler_repairs_a_lost_children_signal(client, registry, sql_conn):
+    """Race R2: children all terminal, parent still awaiting (its wake-up was lost)."""
+    parent = client.enqueue("t.parent", {"inputs": [{"n": 1}]})
+    drain(client=client, registry=registry)
+    sql_conn.execute(
+        "UPDATE belay_jobs SET state = 'succeeded', result = '10' WHERE parent_id = %s",
+        (parent.id,))
+    assert job_row(sql_conn, parent.id)["state"] == "awaiting"
+    worker = belay.Worker(["default"], client=client, registry=registry)
+    assert worker.reconcile() == 1
+    assert job_row(sql_conn, parent.id)["state"] == "ready"
+    assert worker.reconcile() == 0
+    drain(client=client, registry=registry)
+    assert client.get_job(parent.id).result == [["succeeded", 10]]
+
+
+def test_the_reconciler_leaves_parents_with_running_or_no_children(client, registry, sql_conn):
+    parent = client.enqueue("t.parent", {"inputs": [{"n": 1}]})
+    drain(client=client, registry=registry)
+    lonely = client.enqueue("t.parent", {"inputs": []})
+    sql_conn.execute(
+        "UPDATE belay_jobs SET state = 'awaiting', await_scope = 'job:' || id, "
+        "await_name = '$children' WHERE id = %s", (lonely.id,))
+    assert belay.Worker(["default"], client=client, registry=registry).reconcile() == 0
+    assert job_row(sql_conn, parent.id)["state"] == "awaiting"
+
+
+def test_spawn_names_and_inputs_are_checked(client, registry):
+    @belay.worker(name="t.bad_spawn", registry=registry)
+    def bad(ctx: belay.Context) -> None:
+        ctx.spawn("", "t.kid")
+
+    job = client.enqueue("t.bad_spawn", max_attempts=1)
+    assert drain(client=client, registry=registry) == {"failed": 1}
+    assert "spawn name" in client.get_job(job.id).errors[-1]["error"]
