@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -97,6 +97,7 @@ __all__ = [
     "stats",
     "steer_job",
     "steps",
+    "subscribe_events",
     "worker",
     "workflow_status",
 ]
@@ -198,6 +199,12 @@ def steps(job_id: int, *, conn: Conn | None = None) -> list[Step]:
 
 def events(job_id: int, after: int = 0, *, conn: Conn | None = None) -> list[Event]:
     return default().events(job_id, after, conn=conn)
+
+
+def subscribe_events(
+    job_id: int, after: int = 0, *, timeout: float | None = None
+) -> Iterator[Event]:
+    return default().subscribe_events(job_id, after, timeout=timeout)
 
 
 def workflow_status(workflow_id: str, *, conn: Conn | None = None) -> WorkflowStatus:

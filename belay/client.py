@@ -353,6 +353,51 @@ class Belay:
         with self.connection(conn) as active:
             return store.list_events(active, _job_id(job_id), after)
 
+    def subscribe_events(
+        self, job_id: int, after: int = 0, *, timeout: float | None = None,
+        poll_interval: float = 0.2,
+    ) -> Iterator[Event]:
+        """Yield a job's events live, from after seq ``after``, until the job is
+        terminal and every event is out (or ``timeout`` seconds pass).
+
+        Reads by sequence number, so a reconnecting consumer that passes the last
+        seq it saw loses and repeats nothing. Polls on a 10 ms → ``poll_interval``
+        backoff; a result notification ends the wait at once.
+        """
+        job_id = _job_id(job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        listener = self._result_listener()
+        wake = listener.watch(job_id) if listener is not None else None
+        interval = 0.01
+        try:
+            while True:
+                job = self.get_job(job_id)
+                if job is None:
+                    raise JobNotFound(job_id)
+                fresh = self.events(job_id, after)
+                yield from fresh
+                if fresh:
+                    after = fresh[-1].seq
+                    interval = 0.01
+                    continue
+                if job.terminal:
+                    return
+                wait = interval
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    wait = min(wait, remaining)
+                if wake is not None:
+                    wake.wait(wait)
+                    wake.clear()
+                else:
+                    time.sleep(wait)
+                interval = min(interval * 2, poll_interval)
+        finally:
+            if listener is not None and wake is not None:
+                listener.unwatch(job_id, wake)
+
     def workflow_status(self, workflow_id: str, *, conn: Conn | None = None) -> WorkflowStatus:
         with self.connection(conn) as active:
             return WorkflowStatus(workflow_id, store.workflow_jobs(active, workflow_id))

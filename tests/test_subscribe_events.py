@@ -1,0 +1,55 @@
+"""Live event streams: subscribe_events loses and repeats nothing, and ends with the job."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import belay
+import belay.testing
+
+
+def test_subscribe_follows_a_running_job_to_its_end(db_url):
+    registry = belay.Registry()
+    gate = threading.Event()
+
+    @belay.worker(name="t.stream", registry=registry)
+    def stream(ctx: belay.Context) -> int:
+        for n in range(5):
+            ctx.emit({"n": n})
+            if n == 2:
+                gate.wait(10)  # the subscriber is mid-stream now
+        return 5
+
+    with belay.Belay(db_url, registry=registry) as client:
+        job = client.enqueue("t.stream")
+        seen: list[Any] = []
+        worker = belay.Worker(["default"], client=client, registry=registry,
+                              busy_poll=0.005, poll_interval=0.05, notify=True)
+        with worker:
+            for event in client.subscribe_events(job.id, timeout=20):
+                seen.append(event.payload)
+                if event.seq == 3:
+                    gate.set()
+        assert seen == [{"n": n} for n in range(5)]
+        assert client.get_job(job.id).state == "succeeded"
+
+
+def test_resuming_after_a_seq_repeats_nothing(client):
+    reg = belay.Registry()
+
+    @belay.worker(name="t.burst", registry=reg)
+    def burst(ctx: belay.Context) -> None:
+        for n in range(4):
+            ctx.emit({"n": n})
+
+    job = client.enqueue("t.burst")
+    belay.testing.drain(client=client, registry=reg)
+    first = [e.seq for e in client.subscribe_events(job.id, after=0)]
+    resumed = [e.seq for e in client.subscribe_events(job.id, after=2)]
+    assert first == [1, 2, 3, 4] and resumed == [3, 4]
+
+
+def test_subscribe_stops_at_its_timeout_while_the_job_waits(client):
+    job = client.enqueue("t.nobody_runs_this")
+    assert list(client.subscribe_events(job.id, timeout=0.2)) == []
