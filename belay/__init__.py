@@ -170,12 +170,13 @@ def enqueue(
     budget: Mapping[str, Any] | None = None,
     meta: Mapping[str, Any] | None = None,
     partition_key: str | None = None,
+    encrypt: bool | None = None,
     conn: Conn | None = None,
 ) -> Job:
     return default().enqueue(
         kind, input, queue=queue, priority=priority, delay=delay, run_at=run_at,
         max_attempts=max_attempts, unique=unique, budget=budget, meta=meta,
-        partition_key=partition_key, conn=conn,
+        partition_key=partition_key, encrypt=encrypt, conn=conn,
     )
 
 

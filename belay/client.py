@@ -24,6 +24,7 @@ from psycopg_pool import ConnectionPool
 from belay import names, schema, store
 from belay.clock import Clock, SystemClock
 from belay.codec import dumps_object
+from belay.crypto import encrypt_input, parse_key
 from belay.enqueue import JobSpec, Row, Unique, build_row, spec_from
 from belay.errors import (
     ConfigurationError,
@@ -88,6 +89,7 @@ class Belay:
         verify_schema: bool = True,
         application_name: str = "belay",
         registry: Registry | None = None,
+        encryption_key: bytes | str | None = None,
     ) -> None:
         self.conninfo = normalize_url(url)
         if min_pool_size < 0 or max_pool_size < max(1, min_pool_size):
@@ -98,6 +100,8 @@ class Belay:
         self.clock: Clock = clock or SystemClock()
         #: Where a kind given as a string finds its worker's enqueue defaults.
         self.registry = registry if registry is not None else DEFAULT_REGISTRY
+        #: AES-256 key for encrypted input (``encrypt=True``; extra ``crypto``).
+        self.encryption_key = parse_key(encryption_key)
         self.notify = notify
         self._pool_sizes = (min_pool_size, max_pool_size)
         self._application_name = application_name
@@ -242,12 +246,14 @@ class Belay:
         budget: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
         partition_key: str | None = None,
+        encrypt: bool | None = None,
         conn: Conn | None = None,
     ) -> Job:
         """Insert one job; with a ``unique`` key already held, return the holder
-        flagged ``duplicate=True`` instead (§5.2)."""
+        flagged ``duplicate=True`` instead (§5.2). ``encrypt=True`` stores the
+        input AES-256-GCM-encrypted with the client's ``encryption_key``."""
         spec = JobSpec(kind, input, queue, priority, delay, run_at, max_attempts, unique,
-                       budget, meta, partition_key)
+                       budget, meta, partition_key, encrypt)
         return self.enqueue_many([spec], conn=conn)[0]
 
     def enqueue_many(
@@ -258,13 +264,24 @@ class Belay:
         ``duplicate=True``. Every request is validated before anything is written.
         """
         now = self.clock.now()
-        rows = [build_row(self._resolve(spec_from(item)), now) for item in jobs]
+        rows = [self._build(spec_from(item), now) for item in jobs]
         if not rows:
             return []
         with self.transaction(conn) as active:
             results = self._insert(active, rows, now)
             self._poke(active, {job.queue for job in results if not job.duplicate})
         return results
+
+    def _build(self, spec: JobSpec, now: datetime) -> Row:
+        spec = self._resolve(spec)
+        row = build_row(spec, now)
+        encrypt = spec.encrypt
+        if encrypt is None:
+            encrypt = bool(getattr(spec.kind, "enqueue_defaults", {}).get("encrypt"))
+        if encrypt:
+            sealed = encrypt_input(spec.input or {}, self.encryption_key)
+            row = dataclasses.replace(row, input=dumps_object(sealed, what="input").decode())
+        return row
 
     def _resolve(self, spec: JobSpec) -> JobSpec:
         """A kind named by string takes the registered worker's defaults, if any."""

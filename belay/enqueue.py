@@ -52,13 +52,14 @@ class JobSpec:
     budget: Mapping[str, Any] | None = None
     meta: Mapping[str, Any] | None = None
     partition_key: str | None = None
+    encrypt: bool | None = None
     # Set by belay itself (workflows, children, cron), not by enqueue callers.
     internal: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 SPEC_FIELDS: Final = frozenset(
     ("kind", "input", "queue", "priority", "delay", "run_at", "max_attempts", "unique",
-     "budget", "meta", "partition_key")
+     "budget", "meta", "partition_key", "encrypt")
 )
 _INTERNAL_FIELDS: Final = frozenset(
     ("state", "workflow_id", "wf_name", "wf_deps", "wf_ignore", "cron_name", "cron_slot",

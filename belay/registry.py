@@ -38,6 +38,7 @@ class WorkerDef:
         priority: int,
         backoff: Backoff,
         unique: str | Unique | Mapping[str, Any] | None,
+        encrypted: bool = False,
     ) -> None:
         self.fn = fn
         self.kind = kind
@@ -47,6 +48,7 @@ class WorkerDef:
         self.priority = priority
         self.backoff = backoff
         self.unique = unique
+        self.encrypted = encrypted
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", kind)
         self.__wrapped__ = fn
@@ -55,7 +57,7 @@ class WorkerDef:
     def enqueue_defaults(self) -> dict[str, Any]:
         """Options ``enqueue`` takes from the worker when the caller gives none."""
         return {"queue": self.queue, "max_attempts": self.max_attempts,
-                "priority": self.priority, "unique": self.unique}
+                "priority": self.priority, "unique": self.unique, "encrypt": self.encrypted}
 
     def __call__(self, ctx: Context) -> Any:
         return self.fn(ctx)
@@ -128,6 +130,7 @@ def worker(
     priority: int = 0,
     backoff: Backoff | None = None,
     unique: str | Unique | Mapping[str, Any] | None = None,
+    encrypted: bool = False,
     registry: Registry | None = None,
 ) -> Callable[[JobFunction], WorkerDef]: ...
 
@@ -143,13 +146,15 @@ def worker(
     priority: int = 0,
     backoff: Backoff | None = None,
     unique: str | Unique | Mapping[str, Any] | None = None,
+    encrypted: bool = False,
     registry: Registry | None = None,
 ) -> WorkerDef | Callable[[JobFunction], WorkerDef]:
     """Register a function as a worker: ``@belay.worker`` or ``@belay.worker(queue=…)``.
 
     The function takes a :class:`belay.Context` and returns the job's result.
     ``timeout`` (seconds) fails an attempt that runs longer; ``backoff`` maps
-    an attempt number to the seconds before the retry.
+    an attempt number to the seconds before the retry; ``encrypted=True``
+    stores every enqueued input encrypted (see ``Belay(encryption_key=…)``).
     """
     if not isinstance(queue, str) or not queue:
         raise ConfigurationError(f"queue must be a non-empty string, got {queue!r}")
@@ -185,7 +190,7 @@ def worker(
         definition = WorkerDef(
             function, kind=kind, queue=queue, max_attempts=max_attempts,
             timeout=None if timeout is None else float(timeout), priority=priority,
-            backoff=backoff or default_backoff, unique=unique,
+            backoff=backoff or default_backoff, unique=unique, encrypted=bool(encrypted),
         )
         (registry if registry is not None else DEFAULT_REGISTRY).add(definition)
         return definition

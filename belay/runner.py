@@ -39,6 +39,7 @@ from psycopg_pool import ConnectionPool
 from belay import names, schema, store
 from belay.client import Belay
 from belay.context import Context, Execution, Park
+from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.errors import ConfigurationError
 from belay.job import Job
 from belay.outcome import Outcome, decide, default_backoff, retry_or_fail, safe_delay
@@ -360,6 +361,20 @@ class Worker:
     def execute(self, execution: Execution) -> str:
         """Run one claimed execution and ack it; returns the outcome recorded."""
         execution.thread = threading.get_ident()
+        if is_encrypted(execution.job.input):
+            try:
+                plain = decrypt_input(execution.job.input, self.client.encryption_key)
+            except (DecryptionError, ConfigurationError) as exc:
+                # Not the job's fault and not an attempt: back to the queue,
+                # never lost, for a worker that has the right key.
+                log.error("belay: job %d: %s; it goes back to the queue for %.0fs",
+                          execution.job.id, exc, UNKNOWN_KIND_SNOOZE)
+                execution.end("acked")
+                when = self._now() + timedelta(seconds=UNKNOWN_KIND_SNOOZE)
+                self._ack(execution.job, Outcome("snooze", at=when))
+                self._finished(execution.job, "snooze", 0.0, str(exc))
+                return "snooze"
+            execution.job = execution.job.replace(input=plain)
         job, definition = execution.job, execution.definition
         assert definition is not None
         ctx = Context(execution, self.client, self.registry)
