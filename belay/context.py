@@ -339,6 +339,21 @@ class Context:
             raise Sleep(until)
 
 
+    def debit(self, resource: str, units: int, *, period: int = 60) -> None:
+        """Record ``units`` (e.g. tokens actually used) against ``resource``'s
+        rate window of ``period`` seconds, the counters token-rate admission
+        reads (contract §6, bucket ``resource:<name>``)."""
+        if not isinstance(resource, str) or not resource:
+            raise ValidationError(f"a resource is a non-empty string, got {resource!r}")
+        if isinstance(units, bool) or not isinstance(units, int) or units < 0:
+            raise ValidationError(f"units must be an integer >= 0, got {units!r}")
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValidationError(f"period must be whole seconds >= 1, got {period!r}")
+        epoch = int(self.client.clock.now().timestamp())
+        with self.client.connection() as conn:
+            store.rate_add(conn, names.resource_bucket(resource),
+                           names.window_start(epoch, period), units)
+
     # -- Children (§8.4) ---------------------------------------------------------------
 
     def spawn_many(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],

@@ -39,6 +39,16 @@ def queue_lock(queue: str) -> str:
 MIGRATE_LOCK = "belay:migrate"
 
 
+def resource_bucket(resource: str) -> str:
+    """§3: the rate-counter bucket of a shared resource (e.g. a model provider)."""
+    return f"resource:{resource}"
+
+
+def window_start(epoch_seconds: int, period: int) -> int:
+    """§6: the start of the rate window holding ``epoch_seconds``."""
+    return epoch_seconds // period * period
+
+
 def window_key(key: str, epoch_seconds: int, window: int) -> str:
     """§5.2: a window-unique key embeds its bucket."""
     return f"{key}@{epoch_seconds // window}"

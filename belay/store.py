@@ -473,6 +473,10 @@ def resettle_parents(conn: Conn, now: datetime) -> list[tuple[int, str]]:
     return [(r["id"], r["queue"]) for r in _rows(conn, "resettle_parents", {"now": now})]
 
 
+def rate_add(conn: Conn, bucket: str, window_start: int, amount: int) -> None:
+    _execute(conn, "rate_add", (bucket, window_start, amount))
+
+
 def append_event(conn: Conn, job_id: int, payload_json: str, now: datetime) -> int:
     """Append to a job's event stream; returns the new entry's seq."""
     return int(_value(conn, "append_event", {"job_id": job_id, "payload": payload_json,

@@ -214,3 +214,30 @@ def test_a_stale_park_is_discarded(client, registry, sql_conn):
         wait_until(lambda: ends, "the late park is handled")
     assert ends == ["stale"]
     assert job_row(sql_conn, job.id)["state"] == "succeeded"
+
+
+def test_debit_adds_to_the_resource_rate_window(client, registry, clock, sql_conn):
+    @belay.worker(name="t.debit", registry=registry)
+    def debit(ctx: belay.Context) -> None:
+        ctx.debit("anthropic", 1_500)
+        ctx.debit("anthropic", 500)
+
+    client.enqueue("t.debit")
+    run(client, registry)
+    window = int(START.timestamp()) // 60 * 60
+    rows = sql_conn.execute("SELECT bucket, window_start, count FROM belay_rate").fetchall()
+    assert rows == [("resource:anthropic", window, 2_000)]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("", 1), "resource"), (("r", -1), "units"), (("r", 1.5), "units"), (("r", 1, 0), "period"),
+])
+def test_debit_refuses_bad_arguments(client, registry, args, message):
+    @belay.worker(name="t.bad_debit", registry=registry)
+    def bad(ctx: belay.Context) -> None:
+        resource, units, *rest = args
+        ctx.debit(resource, units, **({"period": rest[0]} if rest else {}))
+
+    job = client.enqueue("t.bad_debit", max_attempts=1)
+    assert run(client, registry) == {"failed": 1}
+    assert message in client.get_job(job.id).errors[-1]["error"]

@@ -343,3 +343,8 @@ WHERE p.state = 'awaiting' AND p.await_name = '$children'
     WHERE c.parent_id = p.id AND c.state NOT IN ('succeeded', 'failed', 'cancelled')
   )
 RETURNING p.id, p.queue;
+
+-- name: rate_add
+-- §6 sliding-window counters: add to a bucket's window (upsert-increment).
+INSERT INTO belay_rate (bucket, window_start, count) VALUES (%s, %s, %s)
+ON CONFLICT (bucket, window_start) DO UPDATE SET count = belay_rate.count + EXCLUDED.count;
