@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from belay.client import Belay
-from belay.context import Context
+from belay.context import TIMEOUT, Context, Cost
 from belay.embedded import embedded_server
 from belay.enqueue import JobSpec, Unique
 from belay.errors import JobCancelled, JobFailed
@@ -71,9 +72,71 @@ def _workers(registry: Registry) -> None:
         return {"done": True, "attempt": ctx.attempt}
 
 
+def _agent_workers(registry: Registry) -> None:
+    @worker(name="demo.summarize_chunk", queue="tools", registry=registry)
+    def summarize_chunk(ctx: Context) -> Any:
+        time.sleep(random.uniform(0.05, 0.2))
+        return f"summary of {ctx.input['chunk']}"
+
+    @worker(name="demo.research_agent", queue="ai", registry=registry)
+    def research_agent(ctx: Context) -> Any:
+        def llm_turn(n: int) -> Callable[[], str]:
+            return lambda: f"finding #{n}"  # a real agent calls its model here
+
+        for n in range(1, 4):
+            turn = ctx.step(f"turn-{n}", llm_turn(n), cost=Cost(usd=0.02, tokens=1_200))
+            ctx.emit({"turn": n, "summary": turn})
+        decision = ctx.await_signal("approval", timeout=3600)
+        if decision is TIMEOUT or not decision.get("approved"):
+            raise Cancel("not approved")
+        parts = ctx.map_children("chunks", "demo.summarize_chunk",
+                                 [{"chunk": c} for c in ("intro", "method", "results")])
+        return {"report": [p.result for p in parts]}
+
+
+def _agent(client: Belay, registry: Registry, say: Say, ask: Callable[[], bool]) -> None:
+    say("")
+    say("an agent run: three paid LLM turns (simulated), a human approval, a fan-out …")
+    agent = client.enqueue("demo.research_agent", budget={"usd": 0.10, "tokens": 10_000})
+    runner = Worker({"ai": 1, "tools": 3}, client=client, registry=registry,
+                    busy_poll=0.02, poll_interval=0.1, notify=True)
+    with runner:
+        for event in client.subscribe_events(agent.id, timeout=30):
+            say(f"  event {event.seq}: {event.payload}")
+            if event.payload.get("turn") == 3:
+                break
+        deadline = time.monotonic() + 30
+        while (row := client.get_job(agent.id)) is not None and row.state != "awaiting":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the agent job {agent.id} never parked")
+            time.sleep(0.05)
+        say(f"  job {agent.id} is parked awaiting 'approval' (no thread, no lease held)")
+        approved = ask()
+        client.signal_job(agent.id, "approval", {"approved": approved})
+        with contextlib.suppress(JobFailed, JobCancelled):
+            client.await_result(agent.id, timeout=30)
+    done = client.get_job(agent.id)
+    if done is not None:
+        kids = client.list_jobs(parent_id=agent.id)
+        say(f"  → {done.state}: {done.result or done.errors[-1:]}; spent ${done.spent_usd:.2f} "
+            f"and {done.spent_tokens} tokens of a $0.10 budget; {len(kids)} child jobs")
+
+
+def _approve_from_terminal(say: Say) -> Callable[[], bool]:
+    def ask() -> bool:
+        if not sys.stdin.isatty():
+            say("  (no terminal: approving automatically)")
+            return True
+        answer = input("  approve the agent's plan? [Y/n] ").strip().lower()
+        return answer in ("", "y", "yes")
+
+    return ask
+
+
 def _tour(url: str, say: Say) -> None:
     registry = Registry()
     _workers(registry)
+    _agent_workers(registry)
     with Belay(url, verify_schema=False, registry=registry) as client:
         applied = client.migrate()
         say(f"migrated: applied {applied or 'nothing'}; {client.check_schema().describe()}")
@@ -124,6 +187,8 @@ def _tour(url: str, say: Say) -> None:
             if isinstance(detail, dict):
                 detail = {k: v for k, v in detail.items() if k != "traceback"}
             say(f"{job.id:>4}  {job.kind:<18} {job.state:<10} {job.attempt:>8}  {detail}")
+        say("")
+        _agent(client, registry, say, _approve_from_terminal(say))
         say("")
         for queue, counts in sorted(client.stats().items()):
             say(f"queue {queue:<8} " + ", ".join(f"{s}={n}" for s, n in sorted(counts.items())))

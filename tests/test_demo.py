@@ -11,7 +11,7 @@ import psycopg
 def test_demo_runs_a_worker_and_reports_every_outcome(db_url):
     done = subprocess.run(
         [sys.executable, "-m", "belay", "demo", "--url", db_url],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -30,4 +30,8 @@ def test_demo_runs_a_worker_and_reports_every_outcome(db_url):
         "demo.moderate:succeeded": 1,
         "demo.moderate:cancelled": 1,
         "demo.wait_a_bit:succeeded": 1,
+        "demo.research_agent:succeeded": 1,
+        "demo.summarize_chunk:succeeded": 3,
     }
+    assert "no terminal: approving automatically" in out
+    assert "spent $0.06 and 3600 tokens" in out
