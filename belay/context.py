@@ -129,10 +129,12 @@ class Context:
     """Passed to a worker function: the job, and the run's link to belay."""
 
     def __init__(
-        self, execution: Execution, client: Belay, registry: Registry | None = None
+        self, execution: Execution, client: Belay, registry: Registry | None = None,
+        *, notify: bool = False,
     ) -> None:
         self._execution = execution
         self.client = client
+        self._notify = notify
         #: Where child kinds named by string find their worker's defaults.
         self.registry = registry if registry is not None else client.registry
         self._in_step = False
@@ -278,8 +280,12 @@ class Context:
         if they need to)."""
         body = dumps_object(payload, what="an event payload").decode()
         self.checkpoint()
-        with self.client.connection() as conn:
-            return store.append_event(conn, self.id, body, self.client.clock.now())
+        with self.client.transaction() as conn:
+            seq = store.append_event(conn, self.id, body, self.client.clock.now())
+            if self._notify:  # wakes subscribe_events at once (delivered on commit)
+                store.notify(conn, names.notify_channel(conn.info.dbname),
+                             [store.event_payload(self.id, seq)])
+            return seq
 
     def _scopes(self) -> list[str]:
         scopes = [names.job_scope(self.id)]

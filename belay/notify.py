@@ -97,7 +97,8 @@ class Listener:
 
 
 class ResultListener:
-    """Wakes ``await_result`` callers when their job's result notification arrives."""
+    """Wakes ``await_result`` and ``subscribe_events`` callers when a result (or an
+    event) notification for their job arrives."""
 
     def __init__(self, conninfo: str, channel: str) -> None:
         self._waiters: dict[int, set[threading.Event]] = defaultdict(set)
@@ -131,7 +132,7 @@ class ResultListener:
 
     def _on_message(self, message: dict[str, Any]) -> None:
         job_id = message.get("id")
-        if message.get("t") != "r" or not isinstance(job_id, int):
+        if message.get("t") not in ("r", "e") or not isinstance(job_id, int):
             return
         with self._lock:
             for event in self._waiters.get(job_id, ()):

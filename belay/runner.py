@@ -377,7 +377,7 @@ class Worker:
             execution.job = execution.job.replace(input=plain)
         job, definition = execution.job, execution.definition
         assert definition is not None
-        ctx = Context(execution, self.client, self.registry)
+        ctx = Context(execution, self.client, self.registry, notify=self.notify)
         raised: BaseException | None = None
         returned: Any = None
         try:

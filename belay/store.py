@@ -111,6 +111,11 @@ def result_payload(job_id: int) -> bytes:
     return dumps({"t": "r", "id": job_id})
 
 
+def event_payload(job_id: int, seq: int) -> bytes:
+    """Not in the contract's list (§9.2); listeners ignore types they don't know."""
+    return dumps({"t": "e", "id": job_id, "seq": seq})
+
+
 # -- Reads ---------------------------------------------------------------------
 
 

@@ -53,3 +53,29 @@ def test_resuming_after_a_seq_repeats_nothing(client):
 def test_subscribe_stops_at_its_timeout_while_the_job_waits(client):
     job = client.enqueue("t.nobody_runs_this")
     assert list(client.subscribe_events(job.id, timeout=0.2)) == []
+
+
+def test_a_notifying_worker_announces_each_event(client, notes):
+    reg = belay.Registry()
+
+    @belay.worker(name="t.announce", registry=reg)
+    def announce(ctx: belay.Context) -> None:
+        ctx.emit({"n": 1})
+        ctx.emit({"n": 2})
+
+    job = client.enqueue("t.announce")
+    belay.Worker(["default"], client=client, registry=reg, notify=True).drain()
+    received = [m for m in notes.received() if m.get("t") == "e"]
+    assert received == [{"t": "e", "id": job.id, "seq": 1}, {"t": "e", "id": job.id, "seq": 2}]
+
+
+def test_a_quiet_worker_announces_nothing(client, notes):
+    reg = belay.Registry()
+
+    @belay.worker(name="t.quiet", registry=reg)
+    def quiet(ctx: belay.Context) -> None:
+        ctx.emit({"n": 1})
+
+    client.enqueue("t.quiet")
+    belay.Worker(["default"], client=client, registry=reg).drain()
+    assert [m for m in notes.received() if m.get("t") == "e"] == []
