@@ -19,7 +19,15 @@ from belay import errors
 from belay.client import Belay, CancelStatus
 from belay.clock import Clock, ManualClock, SystemClock
 from belay.codec import Opaque
-from belay.context import TIMEOUT, Context, Cost, Interrupted
+from belay.context import (
+    TIMEOUT,
+    BudgetExceeded,
+    CancelRequested,
+    Context,
+    Cost,
+    Interrupted,
+    StepValueRefused,
+)
 from belay.enqueue import JobSpec, Unique
 from belay.errors import (
     BelayError,
@@ -46,7 +54,9 @@ __all__ = [
     "TIMEOUT",
     "Belay",
     "BelayError",
+    "BudgetExceeded",
     "Cancel",
+    "CancelRequested",
     "CancelStatus",
     "Clock",
     "ConfigurationError",
@@ -71,6 +81,7 @@ __all__ = [
     "SchemaStatus",
     "Snooze",
     "Step",
+    "StepValueRefused",
     "SystemClock",
     "Unique",
     "ValidationError",

@@ -45,6 +45,11 @@ class CancelRequested(BaseException):
     """An operator asked to cancel this job (§8.6); honoured at a step boundary."""
 
 
+class StepValueRefused(ValidationError):
+    """A step's value can't be journaled (not JSON, or over 1 MiB). The job fails at
+    once: retrying would pay for the same step again and fail the same way."""
+
+
 class Park(BaseException):
     """The job waits for a signal (§7): the worker parks it and its thread is free."""
 
@@ -137,7 +142,17 @@ class Context:
         self._notify = notify
         #: Where child kinds named by string find their worker's defaults.
         self.registry = registry if registry is not None else client.registry
-        self._in_step = False
+        # Per thread: a job may run steps from several threads at once, but a
+        # step's function may not start another step.
+        self._local = threading.local()
+
+    @property
+    def _in_step(self) -> bool:
+        return bool(getattr(self._local, "in_step", False))
+
+    @_in_step.setter
+    def _in_step(self, value: bool) -> None:
+        self._local.in_step = value
 
     @property
     def job(self) -> Job:
@@ -201,8 +216,8 @@ class Context:
         budget fails with ``budget_exceeded``. A pending cancel request, a lost
         lease or a timeout stop the job here, before ``fn`` runs.
         """
-        if not isinstance(name, str) or not name:
-            raise ValidationError(f"a step name is a non-empty string, got {name!r}")
+        if not isinstance(name, str) or not name or "\x00" in name:
+            raise ValidationError(f"a step name is a non-empty string without NUL, got {name!r}")
         if name.startswith(names.RESERVED_PREFIX):
             raise ValidationError(f"step names starting with '$' are reserved for belay: {name!r}")
         return self._step(name, fn, cost)
@@ -228,9 +243,12 @@ class Context:
             value = fn()
         finally:
             self._in_step = False
-        envelope = encode_value(value, what=f"the value of step {name!r}")
+        try:
+            envelope = encode_value(value, what=f"the value of step {name!r}")
+        except ValidationError as exc:
+            raise StepValueRefused(str(exc)) from None
         if len(envelope) > MAX_STEP_VALUE:
-            raise ValidationError(
+            raise StepValueRefused(
                 f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
                 f"{MAX_STEP_VALUE} (1 MiB): store large data elsewhere and journal a reference"
             )
@@ -441,6 +459,6 @@ def _cost(cost: Cost | Mapping[str, Any] | None) -> tuple[int, int]:
     if not isinstance(cost, Cost):
         raise ValidationError(f"cost is a belay.Cost or a dict, got {type(cost).__name__}")
     tokens = cost.tokens
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValidationError(f"cost tokens must be an integer >= 0, got {tokens!r}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < 2**63:
+        raise ValidationError(f"cost tokens must be an integer from 0 to 2**63-1, got {tokens!r}")
     return usd_to_micros(cost.usd, what="cost usd"), tokens

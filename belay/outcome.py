@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from belay.codec import encode_value
-from belay.context import BudgetExceeded, CancelRequested, Sleep
+from belay.context import BudgetExceeded, CancelRequested, Sleep, StepValueRefused
 from belay.errors import ValidationError
 
 #: How much of a traceback an error entry keeps (the errors column grows with
@@ -139,6 +139,8 @@ def decide(
             )
     if isinstance(raised, BudgetExceeded):
         return Outcome("failed", error=raised.entry)
+    if isinstance(raised, StepValueRefused):
+        return Outcome("failed", error={"error": f"bad step value: {raised}", "attempt": attempt})
     if isinstance(raised, CancelRequested):
         return Outcome("cancelled", error={"reason": "cancel_requested", "attempt": attempt})
     if isinstance(raised, Cancel):
