@@ -408,6 +408,7 @@ def test_options_are_kept_on_the_definition() -> None:
     assert definition.backoff is backoff
     assert definition.enqueue_defaults == {
         "queue": "mailers", "max_attempts": 5, "priority": -2, "unique": "one-at-a-time",
+        "encrypt": False,
     }
     assert repr(definition) == "<belay worker k queue='mailers'>"
 
