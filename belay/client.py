@@ -11,7 +11,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -383,10 +383,8 @@ class Belay:
         """
         job_id = _job_id(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        listener = self._result_listener()
-        wake = listener.watch(job_id) if listener is not None else None
         interval = 0.01
-        try:
+        with self._watching(job_id) as pause:
             while True:
                 job = self.get_job(job_id)
                 if job is None:
@@ -405,15 +403,8 @@ class Belay:
                     if remaining <= 0:
                         return
                     wait = min(wait, remaining)
-                if wake is not None:
-                    wake.wait(wait)
-                    wake.clear()
-                else:
-                    time.sleep(wait)
+                pause(wait)
                 interval = min(interval * 2, poll_interval)
-        finally:
-            if listener is not None and wake is not None:
-                listener.unwatch(job_id, wake)
 
     def workflow_status(self, workflow_id: str, *, conn: Conn | None = None) -> WorkflowStatus:
         with self.connection(conn) as active:
@@ -525,10 +516,8 @@ class Belay:
         """
         job_id = _job_id(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        listener = self._result_listener()
-        wake = listener.watch(job_id) if listener is not None else None
         interval = 0.005
-        try:
+        with self._watching(job_id) as pause:
             while True:
                 job = self.get_job(job_id)
                 if job is None:
@@ -547,15 +536,29 @@ class Belay:
                             f"job {job_id} is still {job.state} after {timeout} s"
                         )
                     wait = min(wait, remaining)
-                if wake is not None:
-                    wake.wait(wait)
-                    wake.clear()
-                else:
-                    time.sleep(wait)
+                pause(wait)
                 interval = min(interval * 2, 0.2)
+
+    @contextmanager
+    def _watching(self, job_id: int) -> Iterator[Callable[[float], None]]:
+        """A ``pause(seconds)`` that a notification about ``job_id`` cuts short.
+
+        Registered before the caller's first read, so a notification that lands
+        in between is not missed."""
+        listener = self._result_listener()
+        if listener is None:
+            yield time.sleep
+            return
+        wake = listener.watch(job_id)
+
+        def pause(seconds: float) -> None:
+            wake.wait(seconds)
+            wake.clear()
+
+        try:
+            yield pause
         finally:
-            if listener is not None and wake is not None:
-                listener.unwatch(job_id, wake)
+            listener.unwatch(job_id, wake)
 
     def _result_listener(self) -> ResultListener | None:
         if not self.notify:
