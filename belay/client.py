@@ -397,12 +397,9 @@ class Belay:
                     continue
                 if job.terminal:
                     return
-                wait = interval
-                if deadline is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return
-                    wait = min(wait, remaining)
+                wait = _bounded(interval, deadline)
+                if wait is None:
+                    return
                 pause(wait)
                 interval = min(interval * 2, poll_interval)
 
@@ -528,14 +525,9 @@ class Belay:
                     raise JobFailed(job)
                 if job.state == "cancelled":
                     raise JobCancelled(job)
-                wait = interval
-                if deadline is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError(
-                            f"job {job_id} is still {job.state} after {timeout} s"
-                        )
-                    wait = min(wait, remaining)
+                wait = _bounded(interval, deadline)
+                if wait is None:
+                    raise TimeoutError(f"job {job_id} is still {job.state} after {timeout} s")
                 pause(wait)
                 interval = min(interval * 2, 0.2)
 
@@ -571,6 +563,15 @@ class Belay:
                 self._listener = ResultListener(self.conninfo, channel)
                 self._listener.start()
             return self._listener
+
+
+def _bounded(interval: float, deadline: float | None) -> float | None:
+    """How long to pause before the next look: ``interval``, cut to what is left
+    before the monotonic ``deadline``; None once it has passed."""
+    if deadline is None:
+        return interval
+    remaining = deadline - time.monotonic()
+    return None if remaining <= 0 else min(interval, remaining)
 
 
 def _job_id(job_id: Any, *, what: str = "a job id") -> int:

@@ -234,10 +234,11 @@ class Context:
         self.checkpoint()
         job_id = self.id
         with self.client.connection() as conn:
-            hit, envelope = store.get_step(conn, job_id, name)
-        if hit:
-            return decode_value(envelope)
-        self._preflight(name)
+            found = store.step_lookup(conn, job_id, name)
+        if found is not None and found["hit"]:
+            return decode_value(found["value"])
+        if found is not None:
+            self._preflight(found, name)
         self._in_step = True
         try:
             value = fn()
@@ -252,25 +253,22 @@ class Context:
                 f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
                 f"{MAX_STEP_VALUE} (1 MiB): store large data elsewhere and journal a reference"
             )
-        with self.client.transaction() as conn:
+        # One statement (journal + spend): no transaction block needed around it.
+        with self.client.connection() as conn:
             spend = store.put_step(conn, job_id, name, envelope, usd_micros, tokens,
                                    self.client.clock.now())
             if spend is not None and not spend["journaled"]:
                 # Another run of this job journaled it first: its value stands (§11.3).
-                _, envelope = store.get_step(conn, job_id, name)
-                value = decode_value(envelope)
+                _, journaled = store.get_step(conn, job_id, name)
+                value = decode_value(journaled)
         if spend is not None:
             self._check_budget(spend, name)
         return value
 
-    def _preflight(self, name: str) -> None:
-        """§8.2: before paying for a step, re-read the durable spend — a crash
+    def _preflight(self, spend: Mapping[str, Any], name: str) -> None:
+        """§8.2: before paying for a step, check the durable spend — a crash
         between journaling an over-budget step and the failing ack must not buy
         one more step on the next attempt. Also honours a cancel request (§8.6)."""
-        with self.client.connection() as conn:
-            spend = store.job_spend(conn, self.id)
-        if spend is None:
-            return
         if spend["cancel_requested"]:
             raise CancelRequested(f"job {self.id}: cancel requested")
         self._check_budget(spend, name)
@@ -298,11 +296,14 @@ class Context:
         if they need to)."""
         body = dumps_object(payload, what="an event payload").decode()
         self.checkpoint()
+        if not self._notify:
+            with self.client.connection() as conn:
+                return store.append_event(conn, self.id, body, self.client.clock.now())
         with self.client.transaction() as conn:
             seq = store.append_event(conn, self.id, body, self.client.clock.now())
-            if self._notify:  # wakes subscribe_events at once (delivered on commit)
-                store.notify(conn, names.notify_channel(conn.info.dbname),
-                             [store.event_payload(self.id, seq)])
+            # Wakes subscribe_events at once (delivered on commit).
+            store.notify(conn, names.notify_channel(conn.info.dbname),
+                         [store.event_payload(self.id, seq)])
             return seq
 
     def _scopes(self) -> list[str]:

@@ -451,8 +451,10 @@ def get_step(conn: Conn, job_id: int, name: str) -> tuple[bool, bytes | None]:
     return True, None if value is None else bytes(value)
 
 
-def job_spend(conn: Conn, job_id: int) -> dict[str, Any] | None:
-    found = _rows(conn, "job_spend", (job_id,))
+def step_lookup(conn: Conn, job_id: int, name: str) -> dict[str, Any] | None:
+    """A step's journal entry (``hit``, ``value``) with the job's spend, caps and
+    ``cancel_requested``; None when the job row is gone."""
+    found = _rows(conn, "step_lookup", {"job_id": job_id, "name": name})
     return found[0] if found else None
 
 

@@ -417,6 +417,12 @@ def test_put_step_from_two_connections_keeps_the_first_value_and_pays_once(
     assert spend(sql_conn, job_id) == (250_000, 40)
 
 
+def quick_worker(client: belay.Belay, reg: belay.Registry) -> belay.Worker:
+    """A threaded worker on "default" that polls fast and never sweeps on its own."""
+    return belay.Worker(["default"], client=client, registry=reg, poll_interval=0.05,
+                        busy_poll=0.01, sweep_interval=3600.0, shutdown_grace=5.0)
+
+
 def lock_waiters(conn: Conn) -> int:
     row = conn.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
@@ -488,8 +494,7 @@ def test_a_cancel_request_stops_a_running_job_at_its_next_step_miss(client, sql_
         return "not cancelled"
 
     ended: queue.SimpleQueue[JobEnd] = queue.SimpleQueue()
-    worker = belay.Worker(["default"], client=client, registry=reg, poll_interval=0.05,
-                          busy_poll=0.01, sweep_interval=3600.0, shutdown_grace=5.0)
+    worker = quick_worker(client, reg)
     worker.on_job_end(ended.put)
     j = client.enqueue(job)
     with worker:
@@ -697,8 +702,7 @@ def test_a_timed_out_job_stops_at_its_next_step_in_a_real_worker(client, sql_con
         return "too late"
 
     ended: queue.SimpleQueue[JobEnd] = queue.SimpleQueue()
-    worker = belay.Worker(["default"], client=client, registry=reg, poll_interval=0.05,
-                          busy_poll=0.01, sweep_interval=3600.0, shutdown_grace=5.0)
+    worker = quick_worker(client, reg)
     worker.on_job_end(ended.put)
     j = client.enqueue(job)
     with worker:

@@ -295,10 +295,14 @@ FOR UPDATE SKIP LOCKED;
 -- name: get_step
 SELECT value FROM belay_steps WHERE job_id = %s AND name = %s;
 
--- name: job_spend
--- §8.2 pre-flight: the durable spend and caps, and a pending cancel (§8.6).
-SELECT spent_usd_micros, spent_tokens, budget_usd_micros, budget_tokens, cancel_requested
-FROM belay_jobs WHERE id = %s;
+-- name: step_lookup
+-- §8.2 in one round trip: the journal entry, if any, and for a miss the
+-- pre-flight inputs — the durable spend and caps, and a pending cancel (§8.6).
+SELECT s.name IS NOT NULL AS hit, s.value, j.spent_usd_micros, j.spent_tokens,
+       j.budget_usd_micros, j.budget_tokens, j.cancel_requested
+FROM belay_jobs AS j
+LEFT JOIN belay_steps AS s ON s.job_id = j.id AND s.name = %(name)s
+WHERE j.id = %(job_id)s;
 
 -- name: put_step
 -- §8.2 journal + spend in one statement. The spend is added only when this
