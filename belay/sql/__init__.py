@@ -1,7 +1,9 @@
 """The one home of belay's SQL: named statements and the migration files.
 
 Runtime code asks for statements by name (``QUERIES["get_job"]``); nothing
-else in the package assembles SQL text.
+else in the package assembles SQL text. Statements are grouped by subject in
+the ``*.sql`` files here (``queries.sql`` for the core, one file per feature
+beside it); names are unique across all of them.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ def _literal(text: str) -> LiteralString:
     return cast("LiteralString", text)  # type: ignore[redundant-cast,unused-ignore]
 
 
-def _parse(text: str) -> dict[str, LiteralString]:
-    parts = _NAME.split(text)
+def _parse(files: dict[str, str]) -> dict[str, LiteralString]:
     queries: dict[str, LiteralString] = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        statement = body.strip()
-        if name in queries:
-            raise RuntimeError(f"duplicate query name {name!r} in queries.sql")
-        queries[name] = _literal(statement)
+    for file_name, text in sorted(files.items()):
+        parts = _NAME.split(text)
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in queries:
+                raise RuntimeError(f"duplicate query name {name!r} (again in {file_name})")
+            queries[name] = _literal(body.strip())
     # A macro, not a statement: the column list of every job read.
     columns = " ".join(
         line for line in queries.pop("job_columns").splitlines() if not line.startswith("--")
@@ -40,9 +42,16 @@ def _parse(text: str) -> dict[str, LiteralString]:
     }
 
 
-QUERIES: dict[str, LiteralString] = _parse(
-    resources.files(__package__).joinpath("queries.sql").read_text("utf-8")
-)
+def _statement_files() -> dict[str, str]:
+    """Every ``*.sql`` file beside this module (the migrations live in a folder of their own)."""
+    return {
+        entry.name: entry.read_text("utf-8")
+        for entry in resources.files(__package__).iterdir()
+        if entry.name.endswith(".sql") and entry.is_file()
+    }
+
+
+QUERIES: dict[str, LiteralString] = _parse(_statement_files())
 
 
 @dataclass(frozen=True)
