@@ -12,14 +12,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from belay import names, store
 from belay.codec import decode_value, dumps_object, encode_value
 from belay.enqueue import JobSpec, usd_to_micros
-from belay.errors import ValidationError
+from belay.errors import ConfigurationError, ValidationError
 
 if TYPE_CHECKING:
     from belay.client import Belay
     from belay.job import Job
+    from belay.queues import Rate
     from belay.registry import Registry, WorkerDef
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
 #: §2: the reference refuses step values over 1 MiB; so do we, before writing.
 MAX_STEP_VALUE = 1024 * 1024
@@ -111,6 +113,24 @@ class Execution:
         self.done = threading.Event()
         #: The ident of the thread running it, once one does.
         self.thread: int | None = None
+        #: The control-flow exception (park, sleep, budget, cancel…) this job's
+        #: own context raised, so a chunk can tell whose it was.
+        self.control: BaseException | None = None
+        #: The claim-time rate estimate was credited back by ``ctx.debit``.
+        self.credited = False
+        #: The producer slot this execution holds (the worker's bookkeeping).
+        self.owner: Any = None
+
+    def take_credit(self) -> bool:
+        """True the first time only: the claim's rate estimate is credited once per run."""
+        with self._lock:
+            first, self.credited = not self.credited, True
+            return first
+
+    def restart_clock(self, timeout: float | None) -> None:
+        """Start the timeout now (a chunk's jobs wait in a buffer before they run)."""
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout
 
     @property
     def key(self) -> tuple[int, int]:
@@ -135,11 +155,13 @@ class Context:
 
     def __init__(
         self, execution: Execution, client: Belay, registry: Registry | None = None,
-        *, notify: bool = False,
+        *, notify: bool = False, rate: Rate | None = None,
     ) -> None:
         self._execution = execution
         self.client = client
         self._notify = notify
+        #: The rate admission of the job's queue, if any (for ``debit``'s true-up).
+        self._rate = rate
         #: Where child kinds named by string find their worker's defaults.
         self.registry = registry if registry is not None else client.registry
         # Per thread: a job may run steps from several threads at once, but a
@@ -187,6 +209,11 @@ class Context:
         """True once this run lost its lease or timed out: its work will be discarded."""
         return self._execution.ended in ("lost", "timeout")
 
+    def _control(self, exc: E) -> E:
+        """Mark ``exc`` as this job's control flow (a chunk tells its jobs apart by it)."""
+        self._execution.control = exc
+        return exc
+
     def checkpoint(self) -> None:
         """Raise :class:`Interrupted` if this run no longer owns its job.
 
@@ -194,10 +221,10 @@ class Context:
         """
         why = self._execution.ended
         if why in ("lost", "timeout"):
-            raise Interrupted(
+            raise self._control(Interrupted(
                 f"job {self.id} attempt {self.attempt}: "
                 + ("lease lost" if why == "lost" else "timed out")
-            )
+            ))
 
     # -- Durable steps (§8.2) ---------------------------------------------------------
 
@@ -270,7 +297,7 @@ class Context:
         between journaling an over-budget step and the failing ack must not buy
         one more step on the next attempt. Also honours a cancel request (§8.6)."""
         if spend["cancel_requested"]:
-            raise CancelRequested(f"job {self.id}: cancel requested")
+            raise self._control(CancelRequested(f"job {self.id}: cancel requested"))
         self._check_budget(spend, name)
 
     def _check_budget(self, spend: Mapping[str, Any], name: str) -> None:
@@ -279,12 +306,12 @@ class Context:
         over_tokens = (spend["budget_tokens"] is not None
                        and spend["spent_tokens"] > spend["budget_tokens"])
         if over_usd or over_tokens:
-            raise BudgetExceeded({
+            raise self._control(BudgetExceeded({
                 "error": "budget_exceeded", "step": name, "attempt": self.attempt,
                 "spent_usd_micros": spend["spent_usd_micros"],
                 "budget_usd_micros": spend["budget_usd_micros"],
                 "spent_tokens": spend["spent_tokens"], "budget_tokens": spend["budget_tokens"],
-            })
+            }))
 
 
     # -- Events, signals, steering, sleep (§7, §8.1) ------------------------------------
@@ -346,7 +373,7 @@ class Context:
         if job.await_name == name and job.ready_at is not None and job.ready_at <= now:
             return TIMEOUT
         deadline = None if timeout is None else now + timedelta(seconds=timeout)
-        raise Park(scopes[0], name, deadline)
+        raise self._control(Park(scopes[0], name, deadline))
 
     def sleep(self, name: str, seconds: float) -> None:
         """Sleep durably: the wake time is journaled (step ``$sleep:<name>``), the job
@@ -361,23 +388,43 @@ class Context:
             return  # another SDK's $sleep value: never interpreted (§2)
         until = datetime.fromisoformat(target)
         if self.client.clock.now() < until:
-            raise Sleep(until)
+            raise self._control(Sleep(until))
 
 
-    def debit(self, resource: str, units: int, *, period: int = 60) -> None:
-        """Record ``units`` (e.g. tokens actually used) against ``resource``'s
-        rate window of ``period`` seconds, the counters token-rate admission
-        reads (contract §6, bucket ``resource:<name>``)."""
+    def debit(self, resource: str, units: int, *, period: int | None = None) -> None:
+        """Record ``units`` (e.g. tokens actually used) against ``resource``'s rate
+        window, the counters rate admission reads (contract §6, bucket
+        ``resource:<name>``).
+
+        When this job's queue has a rate on ``resource``, its claim already
+        debited the queue's ``estimate``: the first ``debit`` of the run credits
+        that back, so the window converges on what was really used. With no such
+        rate, pass ``period`` (seconds) to record usage all the same.
+        """
         if not isinstance(resource, str) or not resource:
             raise ValidationError(f"a resource is a non-empty string, got {resource!r}")
         if isinstance(units, bool) or not isinstance(units, int) or units < 0:
             raise ValidationError(f"units must be an integer >= 0, got {units!r}")
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        if period is not None and (
+            isinstance(period, bool) or not isinstance(period, int) or period < 1
+        ):
             raise ValidationError(f"period must be whole seconds >= 1, got {period!r}")
+        rate = self._rate
+        credit = 0
+        if rate is not None and rate.resource == resource:
+            period = rate.period
+            if self._execution.take_credit():
+                credit = rate.estimate
+        elif period is None:
+            raise ConfigurationError(
+                f"queue {self.queue!r} has no rate on resource {resource!r}: add "
+                f"rate={{'resource': {resource!r}, ...}} to the queue's options, or pass "
+                "period=<seconds> to record the usage without admission"
+            )
         epoch = int(self.client.clock.now().timestamp())
         with self.client.connection() as conn:
             store.rate_add(conn, names.resource_bucket(resource),
-                           names.window_start(epoch, period), units)
+                           names.window_start(epoch, period), units - credit)
 
     # -- Children (§8.4) ---------------------------------------------------------------
 
@@ -438,7 +485,7 @@ class Context:
                 # then look again, so a child finishing in between is not missed.
                 with self.client.transaction() as conn:
                     store.clear_signal(conn, scope, names.CHILDREN)
-        raise Park(scope, names.CHILDREN, None)
+        raise self._control(Park(scope, names.CHILDREN, None))
 
     def map_children(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],
                      **options: Any) -> list[Job]:

@@ -36,6 +36,15 @@ def queue_lock(queue: str) -> str:
     return f"belay:{queue}"
 
 
+def rate_lock(bucket: str) -> str:
+    """Serializes claimers drawing on one shared rate bucket from different queues.
+
+    Not in the contract: the reference counts a shared resource under each
+    queue's own lock, so two queues can both admit against the same headroom.
+    """
+    return f"belay_rate:{bucket}"
+
+
 MIGRATE_LOCK = "belay:migrate"
 
 

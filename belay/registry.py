@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
 from belay.enqueue import Unique, check_unique
@@ -22,6 +23,30 @@ if TYPE_CHECKING:
     from belay.job import Job
 
 JobFunction = Callable[["Context"], Any]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``chunk={"size": 100, "gather_ms": 500}``: run up to ``size`` jobs of this kind
+    in one call, waiting up to ``gather_ms`` for a chunk to fill."""
+
+    size: int = 10
+    gather_ms: int = 0
+
+
+def parse_chunk(chunk: Mapping[str, Any] | None) -> Chunk | None:
+    if chunk is None:
+        return None
+    if not isinstance(chunk, Mapping) or set(chunk) - {"size", "gather_ms"}:
+        raise ConfigurationError(
+            f"chunk is a dict like {{'size': 100, 'gather_ms': 500}}, got {chunk!r}"
+        )
+    size, gather = chunk.get("size", 10), chunk.get("gather_ms", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigurationError(f"chunk size is a whole number >= 1, got {size!r}")
+    if isinstance(gather, bool) or not isinstance(gather, int) or gather < 0:
+        raise ConfigurationError(f"chunk gather_ms is a whole number >= 0, got {gather!r}")
+    return Chunk(size=size, gather_ms=gather)
 
 
 class WorkerDef:
@@ -39,8 +64,11 @@ class WorkerDef:
         backoff: Backoff,
         unique: str | Unique | Mapping[str, Any] | None,
         encrypted: bool = False,
+        chunk: Chunk | None = None,
     ) -> None:
         self.fn = fn
+        #: Set for chunk workers: the function takes a list of contexts.
+        self.chunk = chunk
         self.kind = kind
         self.queue = queue
         self.max_attempts = max_attempts
@@ -131,6 +159,7 @@ def worker(
     backoff: Backoff | None = None,
     unique: str | Unique | Mapping[str, Any] | None = None,
     encrypted: bool = False,
+    chunk: Mapping[str, Any] | None = None,
     registry: Registry | None = None,
 ) -> Callable[[JobFunction], WorkerDef]: ...
 
@@ -147,6 +176,7 @@ def worker(
     backoff: Backoff | None = None,
     unique: str | Unique | Mapping[str, Any] | None = None,
     encrypted: bool = False,
+    chunk: Mapping[str, Any] | None = None,
     registry: Registry | None = None,
 ) -> WorkerDef | Callable[[JobFunction], WorkerDef]:
     """Register a function as a worker: ``@belay.worker`` or ``@belay.worker(queue=…)``.
@@ -155,7 +185,13 @@ def worker(
     ``timeout`` (seconds) fails an attempt that runs longer; ``backoff`` maps
     an attempt number to the seconds before the retry; ``encrypted=True``
     stores every enqueued input encrypted (see ``Belay(encryption_key=…)``).
+
+    ``chunk={"size": n, "gather_ms": ms}`` makes a chunk worker: the function
+    takes a list of contexts (up to ``n`` jobs claimed together) and returns
+    ``None`` (all succeeded) or a dict of job id → result, where an exception
+    instance as a value fails (or ``belay.Cancel``/``Snooze``) that job alone.
     """
+    chunk_options = parse_chunk(chunk)
     if not isinstance(queue, str) or not queue:
         raise ConfigurationError(f"queue must be a non-empty string, got {queue!r}")
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
@@ -191,6 +227,7 @@ def worker(
             function, kind=kind, queue=queue, max_attempts=max_attempts,
             timeout=None if timeout is None else float(timeout), priority=priority,
             backoff=backoff or default_backoff, unique=unique, encrypted=bool(encrypted),
+            chunk=chunk_options,
         )
         (registry if registry is not None else DEFAULT_REGISTRY).add(definition)
         return definition

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import queue as queue_module
@@ -40,15 +41,45 @@ from belay import names, schema, store
 from belay.client import Belay
 from belay.context import Context, Execution, Park
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
-from belay.errors import ConfigurationError
+from belay.errors import ConfigurationError, ValidationError
 from belay.job import Job
 from belay.outcome import Outcome, decide, default_backoff, retry_or_fail, safe_delay
-from belay.registry import DEFAULT_REGISTRY, Registry
+from belay.queues import QueueSpec, adapt_limit, parse_queues
+from belay.queues import merge as merge_queues
+from belay.registry import DEFAULT_REGISTRY, Chunk, Registry
 
 log = logging.getLogger("belay.worker")
 
 #: A job whose kind no worker here knows goes back this far into the future.
 UNKNOWN_KIND_SNOOZE = 60.0
+#: §8.7 defaults (seconds): succeeded jobs a day, failed and cancelled a week.
+DEFAULT_RETENTION: dict[str, float | None] = {
+    "succeeded": 86_400.0, "failed": 604_800.0, "cancelled": 604_800.0,
+}
+DEFAULT_SIGNAL_TTL = 7 * 86_400.0
+#: Retention runs at most this often, in batches of this many jobs, this many
+#: batches per state per pass (the rest waits for the next pass).
+PRUNE_INTERVAL = 60.0
+PRUNE_BATCH = 500
+PRUNE_BATCHES = 20
+
+
+def parse_retention(retention: Mapping[str, float | None] | None) -> dict[str, float | None]:
+    """Per terminal state: seconds to keep finished jobs, or None to keep them forever."""
+    merged = dict(DEFAULT_RETENTION)
+    for state, keep in (retention or {}).items():
+        if state not in DEFAULT_RETENTION:
+            raise ConfigurationError(
+                f"retention is per terminal state (succeeded, failed, cancelled), got {state!r}"
+            )
+        if keep is not None and (
+            isinstance(keep, bool) or not isinstance(keep, (int, float)) or keep <= 0
+        ):
+            raise ConfigurationError(
+                f"retention[{state!r}] is seconds > 0, or None to keep forever; got {keep!r}"
+            )
+        merged[state] = None if keep is None else float(keep)
+    return merged
 
 
 @dataclass(frozen=True)
@@ -61,36 +92,46 @@ class JobEnd:
     error: Any = None
 
 
-def parse_queues(queues: Mapping[str, int] | Iterable[str]) -> dict[str, int]:
-    """``{"default": 10}`` or ``["default"]`` (limit 10 each) → ``{name: limit}``."""
-    if isinstance(queues, str):
-        raise ConfigurationError(f"queues is a dict of name → limit, got the string {queues!r}")
-    items = queues.items() if isinstance(queues, Mapping) else ((q, 10) for q in queues)
-    parsed: dict[str, int] = {}
-    for name, limit in items:
-        if not isinstance(name, str) or not name:
-            raise ConfigurationError(f"a queue name is a non-empty string, got {name!r}")
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ConfigurationError(
-                f"queue {name!r}: the limit is an integer >= 1 (concurrent jobs), got {limit!r}"
-            )
-        parsed[name] = limit
-    if not parsed:
-        raise ConfigurationError("a worker needs at least one queue")
-    return parsed
+class _Queue:
+    """One queue's producer on this node: its options, slots and wake-up."""
+
+    def __init__(self, spec: QueueSpec) -> None:
+        self.spec = spec
+        #: The local limit now: fixed, or adaptive between the spec's min and max.
+        self.limit = spec.limit_min if spec.limit_min is not None else spec.limit
+        #: Slots taken: running jobs plus chunk jobs waiting in a buffer.
+        self.inflight = 0
+        self.wake = threading.Event()
+        #: Set when the queue left the configuration: the producer exits.
+        self.retired = False
+        #: Chunk workers' claimed jobs by kind, and when each buffer must go.
+        self.buffers: dict[str, list[Execution]] = {}
+        self.gather_until: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def reconfigure(self, spec: QueueSpec) -> None:
+        self.spec = spec
+        low = spec.limit_min if spec.limit_min is not None else spec.limit
+        self.limit = max(low, min(spec.limit, self.limit))
 
 
 class Worker:
     """Runs the registered workers' jobs from the given queues.
 
-    ``queues`` maps each queue to its local concurrency limit. ``.run()`` blocks
-    until SIGTERM/SIGINT; ``.start()`` and ``.stop()`` are for embedding.
-    Durations are in seconds.
+    ``queues`` maps each queue to its local concurrency limit or to a dict of
+    options (see :mod:`belay.queues` and docs/queues.md); ``belay_queues``
+    rows written through the client are merged over them every
+    ``queue_sync_interval`` seconds. ``crons`` are static cron entries (see
+    docs/cron.md). ``.run()`` blocks until SIGTERM/SIGINT; ``.start()`` and
+    ``.stop()`` are for embedding. Durations are in seconds.
     """
 
     def __init__(
         self,
-        queues: Mapping[str, int] | Iterable[str] = ("default",),
+        queues: Mapping[str, Any] | Iterable[str] = ("default",),
         *,
         client: Belay | None = None,
         url: str | None = None,
@@ -101,17 +142,32 @@ class Worker:
         notify: bool = False,
         shutdown_grace: float = 15.0,
         sweep_interval: float = 5.0,
+        queue_sync_interval: float = 5.0,
+        crons: Iterable[Mapping[str, Any]] = (),
+        cron_interval: float = 20.0,
+        retention: Mapping[str, float | None] | None = None,
+        signal_ttl: float | None = DEFAULT_SIGNAL_TTL,
         node_id: str | None = None,
     ) -> None:
         self.queues = parse_queues(queues)
         for label, value in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),
-                             ("busy_poll", busy_poll), ("sweep_interval", sweep_interval)):
+                             ("busy_poll", busy_poll), ("sweep_interval", sweep_interval),
+                             ("queue_sync_interval", queue_sync_interval),
+                             ("cron_interval", cron_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigurationError(f"{label} must be a number of seconds > 0, got {value!r}")
         if busy_poll > poll_interval:
             raise ConfigurationError("busy_poll must not exceed poll_interval")
         if shutdown_grace < 0:
             raise ConfigurationError("shutdown_grace must be >= 0 seconds")
+        self.retention = parse_retention(retention)
+        if signal_ttl is not None and (
+            isinstance(signal_ttl, bool) or not isinstance(signal_ttl, (int, float))
+            or signal_ttl <= 0
+        ):
+            raise ConfigurationError(
+                f"signal_ttl must be seconds > 0 (or None to keep signals), got {signal_ttl!r}"
+            )
         if client is None:
             from belay import default
 
@@ -124,15 +180,34 @@ class Worker:
         self.notify = notify
         self.shutdown_grace = float(shutdown_grace)
         self.sweep_interval = float(sweep_interval)
+        self.queue_sync_interval = float(queue_sync_interval)
+        self.signal_ttl = None if signal_ttl is None else float(signal_ttl)
         self.node_id = node_id or f"{os.uname().nodename}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self.crons = list(crons)
+        self._cron: Any = None
+        if self.crons:
+            from belay.cron import CronScheduler, entries_from_config
+
+            self._cron = CronScheduler(self.client, entries_from_config(self.crons),
+                                       registry=self.registry, interval=cron_interval,
+                                       notify=notify)
         self._hooks: list[Callable[[JobEnd], None]] = []
-        self._lock = threading.Lock()
+        # Reentrant: start() applies the first queue set while holding it.
+        self._lock = threading.RLock()
         self._executions: dict[tuple[int, int], Execution] = {}
-        self._inflight = dict.fromkeys(self.queues, 0)
-        self._wake = {q: threading.Event() for q in self.queues}
-        self._work: queue_module.SimpleQueue[Execution | None] = queue_module.SimpleQueue()
+        #: The queues this node serves now: static merged with belay_queues rows.
+        self._live: dict[str, _Queue] = {}
+        self._invalid_rows: dict[str, str] = {}
+        #: Queues paused on this node only (``pause_queue``).
+        self._paused_here: set[str] = set()
+        self._work: queue_module.SimpleQueue[Execution | list[Execution] | None] = (
+            queue_module.SimpleQueue()
+        )
         self._threads: list[threading.Thread] = []
         self._executors: list[threading.Thread] = []
+        self._executor_numbers = itertools.count()
+        #: Executor threads wanted: the sum of the live queues' maximum limits.
+        self._executor_target = 0
         #: Set on stop: producers stop claiming.
         self._stopping = threading.Event()
         #: Set once running jobs had their grace: the heartbeat (which keeps
@@ -160,12 +235,13 @@ class Worker:
             with psycopg.connect(self.client.conninfo, autocommit=True) as probe:
                 schema.check(probe)
                 self._channel = names.notify_channel(probe.info.dbname)
-            slots = sum(self.queues.values())
+                specs = self._effective_specs(probe)
             self._pool = ConnectionPool(
                 self.client.conninfo,
                 min_size=1,
-                # producers + heartbeat + sweeper, and acks (which may wait their turn)
-                max_size=len(self.queues) + 2 + min(slots, 16),
+                # producers + heartbeat + sweeper + queue sync + cron, and acks
+                # (which may wait their turn)
+                max_size=len(specs) + 4 + min(sum(s.limit for s in specs.values()), 16),
                 kwargs={"autocommit": True, "application_name": "belay-worker"},
                 name="belay-worker",
                 open=True,
@@ -173,12 +249,12 @@ class Worker:
             self._stopping.clear()
             self._halted.clear()
             self._stopped.clear()
-            for n in range(slots):
-                self._spawn(self._exec_loop, f"belay-exec-{n}", executor=True)
-            for q in self.queues:
-                self._spawn(functools.partial(self._produce, q), f"belay-producer-{q}")
+            self._work = queue_module.SimpleQueue()
+            self._executor_target = 0
+            self._apply(specs)
             self._spawn(self._heartbeat, "belay-heartbeat")
             self._spawn(self._sweep, "belay-sweeper")
+            self._spawn(self._sync_loop, "belay-queues")
             if self.notify:
                 from belay.notify import Listener
 
@@ -186,8 +262,11 @@ class Worker:
                     self.client.conninfo, self._channel, self._on_notify, name="belay-listener"
                 )
                 self._listener.start()
+            if self._cron is not None:
+                self._cron.start()
             self._started = True
-        log.info("belay worker %s started: queues %s", self.node_id, self.queues)
+        log.info("belay worker %s started: queues %s", self.node_id,
+                 {name: q.spec.to_opts() for name, q in self._live.items()})
 
     def _spawn(self, target: Callable[[], None], name: str, *, executor: bool = False) -> None:
         # Daemon threads: a job stuck past the shutdown grace must not hold the
@@ -206,13 +285,20 @@ class Worker:
             self._started = False
         grace = self.shutdown_grace if grace is None else grace
         self._stopping.set()
-        for event in self._wake.values():
-            event.set()
+        if self._cron is not None:
+            self._cron.stop()
+        with self._lock:
+            queues = list(self._live.values())
+        for q in queues:
+            q.wake.set()
         # A claim already under way finishes and hands its jobs over before
         # the running set is read, so they get their grace too.
         producers = [t for t in self._threads if t.name.startswith("belay-producer-")]
         for thread in producers:
             thread.join(max(grace, 5.0))
+        # Claimed chunk jobs still gathering hold leases: they run now.
+        for q in queues:
+            self._flush_chunks(q, everything=True)
         deadline = time.monotonic() + grace
         for execution in self._running():
             execution.done.wait(max(0.0, deadline - time.monotonic()))
@@ -221,10 +307,13 @@ class Worker:
             log.warning("belay worker %s: jobs %s still running after %.1fs grace; their "
                         "leases will lapse and another worker will reclaim them",
                         self.node_id, abandoned, grace)
-        for _ in self._executors:
+        with self._lock:
+            executors = list(self._executors)
+            self._executor_target = 0
+        for _ in executors:
             self._work.put(None)
         busy = {e.thread for e in self._running()}
-        for thread in self._executors:
+        for thread in executors:
             if thread.ident not in busy:
                 thread.join(1.0)
         self._halted.set()
@@ -236,6 +325,8 @@ class Worker:
             thread.join(max(1.0, self.poll_interval * 2))
         self._threads.clear()
         self._executors.clear()
+        with self._lock:
+            self._live.clear()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -276,52 +367,193 @@ class Worker:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    # -- Queues: static, dynamic, paused (§8.6) ----------------------------------------
+
+    def live_queues(self) -> dict[str, QueueSpec]:
+        """The queues this node serves now, with their effective options."""
+        with self._lock:
+            return {name: q.spec for name, q in self._live.items()}
+
+    def queue_limit(self, queue: str) -> int | None:
+        """The queue's current local limit here (adaptive limits move); None if not served."""
+        with self._lock:
+            found = self._live.get(queue)
+            return None if found is None else found.limit
+
+    def pause_queue(self, queue: str) -> None:
+        """Stop claiming from ``queue`` on this node only (running jobs finish).
+        ``Belay.pause_queue`` pauses it on every node."""
+        with self._lock:
+            self._paused_here.add(queue)
+
+    def resume_queue(self, queue: str) -> None:
+        with self._lock:
+            self._paused_here.discard(queue)
+            found = self._live.get(queue)
+        if found is not None:
+            found.wake.set()
+
+    def sync_queues(self) -> dict[str, QueueSpec]:
+        """Merge the ``belay_queues`` rows over the static queues now (the
+        ``belay-queues`` thread does this every ``queue_sync_interval``)."""
+        if not self._started:
+            with self._connection() as conn:
+                return self._effective_specs(conn)
+        with self._connection() as conn:
+            specs = self._effective_specs(conn)
+        self._apply(specs)
+        return specs
+
+    def _effective_specs(self, conn: psycopg.Connection[Any]) -> dict[str, QueueSpec]:
+        specs, invalid = merge_queues(self.queues, store.list_queues(conn))
+        for name, reason in invalid.items():
+            if self._invalid_rows.get(name) != reason:
+                log.error("belay: belay_queues row %r is ignored: %s", name, reason)
+        self._invalid_rows = invalid
+        return specs
+
+    def _sync_loop(self) -> None:
+        while not self._stopping.wait(self.queue_sync_interval):
+            try:
+                self.sync_queues()
+            except Exception:
+                log.exception("belay: syncing queues failed; keeping the current ones")
+
+    def _apply(self, specs: Mapping[str, QueueSpec]) -> None:
+        """Start producers for new queues, retire removed ones, reconfigure the rest."""
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            started: list[_Queue] = []
+            for name, spec in specs.items():
+                current = self._live.get(name)
+                if current is None:
+                    current = self._live[name] = _Queue(spec)
+                    started.append(current)
+                elif current.spec != spec:
+                    log.info("belay: queue %r now %s", name, spec.to_opts())
+                    current.reconfigure(spec)
+                    current.wake.set()
+            for name in [n for n in self._live if n not in specs]:
+                gone = self._live.pop(name)
+                gone.retired = True
+                gone.wake.set()
+                log.info("belay: queue %r removed; its running jobs finish", name)
+            self._resize_executors(sum(q.spec.limit for q in self._live.values()))
+        for q in started:
+            self._spawn(functools.partial(self._produce, q), f"belay-producer-{q.name}")
+
+    def _resize_executors(self, target: int) -> None:
+        """Grow the executor threads to ``target`` or retire the extra ones (lock held)."""
+        while self._executor_target < target:
+            self._executor_target += 1
+            self._spawn(self._exec_loop, f"belay-exec-{next(self._executor_numbers)}",
+                        executor=True)
+        while self._executor_target > target:
+            self._executor_target -= 1
+            self._work.put(None)
+
     # -- Claiming ----------------------------------------------------------------------
 
     def _now(self) -> datetime:
         return self.client.clock.now()
 
-    def _free(self, queue: str) -> int:
+    def _demand(self, q: _Queue) -> int:
         with self._lock:
-            return self.queues[queue] - self._inflight[queue]
+            if q.spec.paused or q.name in self._paused_here:
+                return 0
+            return q.limit - q.inflight
 
-    def _produce(self, queue: str) -> None:
+    def _produce(self, q: _Queue) -> None:
         interval = self.busy_poll
-        wake = self._wake[queue]
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not q.retired:
             claimed = 0
             try:
-                free = self._free(queue)
-                if free > 0:
-                    claimed = self._claim(queue, free)
+                demand = self._demand(q)
+                if demand > 0:
+                    claimed = self._claim(q, demand)
+                    self._adapt(q, claimed, demand)
+                self._flush_chunks(q)
             except Exception:
-                log.exception("belay: claiming from %r failed; retrying", queue)
+                log.exception("belay: claiming from %r failed; retrying", q.name)
                 interval = self.poll_interval
             # Hot while claims find work, decaying to the idle ceiling (§9.1).
             interval = self.busy_poll if claimed else min(interval * 2, self.poll_interval)
-            wake.wait(interval)
-            wake.clear()
+            wait = interval
+            with self._lock:
+                if q.gather_until:
+                    wait = min(wait, max(0.0, min(q.gather_until.values()) - time.monotonic()))
+            q.wake.wait(wait)
+            q.wake.clear()
 
-    def _claim(self, queue: str, free: int) -> int:
+    def _adapt(self, q: _Queue, claimed: int, demand: int) -> None:
+        spec = q.spec
+        if spec.limit_min is None:
+            return
+        with self._lock:
+            before = q.limit
+            q.limit = adapt_limit(before, spec.limit_min, spec.limit, claimed=claimed,
+                                  demand=demand, busy=q.inflight)
+        if q.limit != before:
+            log.debug("belay: queue %r limit %d → %d", q.name, before, q.limit)
+
+    def _claim(self, q: _Queue, demand: int) -> int:
         assert self._pool is not None
-        now = self._now()
-        with self._pool.connection() as conn:
-            jobs = store.claim(conn, queue, free, self.node_id, now,
-                               now + timedelta(seconds=self.lease_ttl))
+        jobs = self._claim_jobs(q.spec, demand)
         for job in jobs:
             definition = self.registry.get(job.kind)
             if definition is None:
                 self._return_unknown(job)
                 continue
-            timeout = definition.timeout
+            # A chunk job's timeout starts when its chunk does, not while it gathers.
+            timeout = None if definition.chunk is not None else definition.timeout
             execution = Execution(job, definition, timeout)
+            execution.owner = q
             with self._lock:
                 self._executions[execution.key] = execution
-                self._inflight[queue] += 1
+                q.inflight += 1
+                if definition.chunk is not None:
+                    self._buffer(q, execution, definition.chunk)
+                    continue
             if execution.deadline is not None:
                 self._heartbeat_wake.set()
             self._work.put(execution)
         return len(jobs)
+
+    def _claim_jobs(self, spec: QueueSpec, demand: int) -> list[Job]:
+        assert self._pool is not None
+        now = self._now()
+        lease_until = now + timedelta(seconds=self.lease_ttl)
+        with self._pool.connection() as conn:
+            if not spec.admitted:
+                return store.claim(conn, spec.name, demand, self.node_id, now, lease_until)
+            with conn.transaction():
+                return store.claim_admitted(conn, spec, demand, self.node_id, now, lease_until)
+
+    def _buffer(self, q: _Queue, execution: Execution, chunk: Chunk) -> None:
+        """Hold a chunk worker's job until its chunk fills or its gather time is up
+        (lock held). Never longer than half the lease: the lease is renewed
+        meanwhile, but a gather must not be what makes it lapse."""
+        kind = execution.job.kind
+        buffered = q.buffers.setdefault(kind, [])
+        buffered.append(execution)
+        if kind not in q.gather_until:
+            gather = min(chunk.gather_ms / 1000.0, self.lease_ttl / 2)
+            q.gather_until[kind] = time.monotonic() + gather
+        while len(buffered) >= chunk.size:
+            self._work.put(buffered[:chunk.size])
+            del buffered[:chunk.size]
+        if not buffered:
+            del q.buffers[kind]
+            del q.gather_until[kind]
+
+    def _flush_chunks(self, q: _Queue, *, everything: bool = False) -> None:
+        """Hand over the buffers whose gather time is up (all of them on stop)."""
+        now = time.monotonic()
+        with self._lock:
+            for kind in [k for k, until in q.gather_until.items() if everything or until <= now]:
+                self._work.put(q.buffers.pop(kind))
+                del q.gather_until[kind]
 
     def _return_unknown(self, job: Job) -> None:
         """Not run, not lost, not an attempt: snoozed back for a worker that knows it."""
@@ -333,57 +565,160 @@ class Worker:
 
     def _on_notify(self, message: dict[str, Any]) -> None:
         if message.get("t") == "p":
-            event = self._wake.get(message.get("q"))  # type: ignore[arg-type]
-            if event is not None:
-                event.set()
+            with self._lock:
+                found = self._live.get(message.get("q"))  # type: ignore[arg-type]
+            if found is not None:
+                found.wake.set()
 
     # -- Running -----------------------------------------------------------------------
 
     def _exec_loop(self) -> None:
         while True:
-            execution = self._work.get()
-            if execution is None:
+            item = self._work.get()
+            if item is None:
+                with self._lock, contextlib.suppress(ValueError):
+                    self._executors.remove(threading.current_thread())
                 return
+            executions = item if isinstance(item, list) else [item]
             try:
-                self.execute(execution)
+                if isinstance(item, list):
+                    self.execute_chunk(item)
+                else:
+                    self.execute(item)
             except BaseException:
-                log.exception("belay: executing job %d crashed the executor", execution.job.id)
+                log.exception("belay: executing job(s) %s crashed the executor",
+                              [e.job.id for e in executions])
             finally:
-                self._release(execution)
+                for execution in executions:
+                    self._release(execution)
 
     def _release(self, execution: Execution) -> None:
+        owner: _Queue | None = execution.owner
         with self._lock:
             self._executions.pop(execution.key, None)
-            self._inflight[execution.job.queue] -= 1
+            if owner is not None:
+                owner.inflight -= 1
         execution.done.set()
-        self._wake[execution.job.queue].set()
+        if owner is not None:
+            owner.wake.set()
 
     def execute(self, execution: Execution) -> str:
         """Run one claimed execution and ack it; returns the outcome recorded."""
         execution.thread = threading.get_ident()
-        if is_encrypted(execution.job.input):
-            try:
-                plain = decrypt_input(execution.job.input, self.client.encryption_key)
-            except (DecryptionError, ConfigurationError) as exc:
-                # Not the job's fault and not an attempt: back to the queue,
-                # never lost, for a worker that has the right key.
-                log.error("belay: job %d: %s; it goes back to the queue for %.0fs",
-                          execution.job.id, exc, UNKNOWN_KIND_SNOOZE)
-                execution.end("acked")
-                when = self._now() + timedelta(seconds=UNKNOWN_KIND_SNOOZE)
-                self._ack(execution.job, Outcome("snooze", at=when))
-                self._finished(execution.job, "snooze", 0.0, str(exc))
-                return "snooze"
-            execution.job = execution.job.replace(input=plain)
-        job, definition = execution.job, execution.definition
+        if not self._decrypt(execution):
+            return "snooze"
+        definition = execution.definition
         assert definition is not None
-        ctx = Context(execution, self.client, self.registry, notify=self.notify)
+        ctx = self._context(execution)
         raised: BaseException | None = None
         returned: Any = None
         try:
             returned = definition(ctx)
         except BaseException as exc:  # the job's failure, whatever it raised
             raised = exc
+        return self._conclude(execution, returned, raised)
+
+    def execute_chunk(self, executions: list[Execution]) -> dict[int, str]:
+        """Run a chunk worker once over several claimed jobs, then ack each one
+        on its own (fenced, §7); returns the outcome recorded per job id.
+
+        The function returns None (every job succeeded) or a dict of job id →
+        result, where an exception instance fails (or cancels, or snoozes) that
+        job alone. If it raises, every job gets that error — unless the raise is
+        one job's own control flow (await, sleep, budget, cancel, a lost lease):
+        that job takes it, and the others go back to the queue without using
+        an attempt (their journaled steps make the rerun cheap).
+        """
+        outcomes: dict[int, str] = {}
+        runnable: list[Execution] = []
+        for execution in executions:
+            execution.thread = threading.get_ident()
+            if self._decrypt(execution):
+                runnable.append(execution)
+            else:
+                outcomes[execution.job.id] = "snooze"
+        if not runnable:
+            return outcomes
+        definition = runnable[0].definition
+        assert definition is not None
+        for execution in runnable:
+            execution.restart_clock(definition.timeout)
+        if definition.timeout is not None:
+            self._heartbeat_wake.set()
+        contexts = [self._context(execution) for execution in runnable]
+        raised: BaseException | None = None
+        returned: Any = None
+        try:
+            returned = definition.fn(contexts)  # type: ignore[arg-type]
+        except BaseException as exc:
+            raised = exc
+        if raised is not None:
+            owner = next((e for e in runnable if e.control is raised), None)
+            for execution in runnable:
+                if owner is None or execution is owner:
+                    outcomes[execution.job.id] = self._conclude(execution, None, raised)
+                else:
+                    outcomes[execution.job.id] = self._conclude(
+                        execution, None, None, outcome=Outcome("snooze", at=self._now()))
+            return outcomes
+        if returned is not None and not isinstance(returned, Mapping):
+            raised = ValidationError(
+                "a chunk worker returns None or a dict of job id → result, got "
+                f"{type(returned).__name__}")
+        by_id: Mapping[Any, Any] = returned if isinstance(returned, Mapping) else {}
+        strays = set(by_id) - {e.job.id for e in runnable}
+        if strays:
+            log.warning("belay: chunk worker %s returned outcomes for jobs not in its chunk: %s",
+                        definition.kind, sorted(map(repr, strays)))
+        for execution in runnable:
+            job_id = execution.job.id
+            if raised is not None:
+                outcomes[job_id] = self._conclude(execution, None, raised)
+            elif returned is None:
+                outcomes[job_id] = self._conclude(execution, None, None)
+            elif job_id not in by_id:
+                outcomes[job_id] = self._conclude(execution, None, ValidationError(
+                    f"the chunk worker returned no outcome for job {job_id}"))
+            elif isinstance(by_id[job_id], BaseException):
+                outcomes[job_id] = self._conclude(execution, None, by_id[job_id])
+            else:
+                outcomes[job_id] = self._conclude(execution, by_id[job_id], None)
+        return outcomes
+
+    def _decrypt(self, execution: Execution) -> bool:
+        """Decrypt an encrypted input in place; False when it can't be (the job was
+        snoozed back: not its fault and not an attempt, for a worker with the key)."""
+        if not is_encrypted(execution.job.input):
+            return True
+        try:
+            plain = decrypt_input(execution.job.input, self.client.encryption_key)
+        except (DecryptionError, ConfigurationError) as exc:
+            log.error("belay: job %d: %s; it goes back to the queue for %.0fs",
+                      execution.job.id, exc, UNKNOWN_KIND_SNOOZE)
+            execution.end("acked")
+            when = self._now() + timedelta(seconds=UNKNOWN_KIND_SNOOZE)
+            self._ack(execution.job, Outcome("snooze", at=when))
+            self._finished(execution.job, "snooze", 0.0, str(exc))
+            return False
+        execution.job = execution.job.replace(input=plain)
+        return True
+
+    def _context(self, execution: Execution) -> Context:
+        owner: _Queue | None = execution.owner
+        spec = owner.spec if owner is not None else self._spec_for(execution.job.queue)
+        return Context(execution, self.client, self.registry, notify=self.notify,
+                       rate=None if spec is None else spec.rate)
+
+    def _spec_for(self, queue: str) -> QueueSpec | None:
+        with self._lock:
+            live = self._live.get(queue)
+        return live.spec if live is not None else self.queues.get(queue)
+
+    def _conclude(self, execution: Execution, returned: Any, raised: BaseException | None,
+                  *, outcome: Outcome | None = None) -> str:
+        """Ack what a run returned or raised (or ``outcome``); returns the outcome's name."""
+        job, definition = execution.job, execution.definition
+        assert definition is not None
         duration = time.monotonic() - execution.started
         if not execution.end("acked"):
             why = execution.ended or "ended"
@@ -396,9 +731,10 @@ class Worker:
             kind = self._park(job, raised)
             self._finished(job, kind, duration, None)
             return kind
-        outcome = decide(returned=returned, raised=raised, attempt=job.attempt,
-                         max_attempts=job.max_attempts, now=self._now(),
-                         backoff=definition.backoff)
+        if outcome is None:
+            outcome = decide(returned=returned, raised=raised, attempt=job.attempt,
+                             max_attempts=job.max_attempts, now=self._now(),
+                             backoff=definition.backoff)
         acked = self._ack(job, outcome)
         kind = outcome.kind if acked else "stale"
         self._finished(job, kind, duration, outcome.error)
@@ -523,12 +859,53 @@ class Worker:
     # -- Reclaim (§6) ------------------------------------------------------------------
 
     def _sweep(self) -> None:
+        pruned_at = 0.0
         while not self._halted.wait(self.sweep_interval):
             try:
                 self.reclaim()
                 self.reconcile()
             except Exception:
                 log.exception("belay: reclaiming expired leases failed; retrying")
+            if time.monotonic() - pruned_at >= PRUNE_INTERVAL:
+                pruned_at = time.monotonic()
+                try:
+                    self.prune()
+                except Exception:
+                    log.exception("belay: pruning old jobs failed; retrying")
+
+    def prune(self) -> dict[str, int]:
+        """§8.7 retention, one pass: delete terminal jobs older than their state's
+        retention (with their steps and events, in batches), signals past
+        ``signal_ttl`` and rate windows no claim reads any more. Never a
+        non-terminal job, nor one its workflow or parent still depends on.
+        Returns how many rows went, by kind."""
+        now = self._now()
+        counts: dict[str, int] = {}
+        with self._connection() as conn:
+            for state, keep in self.retention.items():
+                if keep is None:
+                    continue
+                cutoff = now - timedelta(seconds=keep)
+                total = 0
+                for _ in range(PRUNE_BATCHES):
+                    deleted = store.prune_jobs(conn, state, cutoff, PRUNE_BATCH)
+                    total += deleted
+                    if deleted < PRUNE_BATCH:
+                        break
+                counts[state] = total
+            if self.signal_ttl is not None:
+                counts["signals"] = store.prune_signals(
+                    conn, now - timedelta(seconds=self.signal_ttl))
+            # A day, as §8.7 says — or two of this node's longest period, which
+            # its rate math still reads (the previous window).
+            periods = [s.rate.period for s in self.live_queues().values() or self.queues.values()
+                       if s.rate is not None]
+            horizon = max([86_400, *(2 * p for p in periods)])
+            counts["rate_windows"] = store.prune_rate(conn, int(now.timestamp()) - horizon)
+        pruned = {k: v for k, v in counts.items() if v}
+        if pruned:
+            log.info("belay: pruned %s", pruned)
+        return counts
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -590,33 +967,55 @@ class Worker:
     # -- Synchronous running (tests, scripts) ----------------------------------------------
 
     def drain(self, max_jobs: int | None = None) -> dict[str, int]:
-        """Run every job claimable now, one at a time in this thread, until none
-        is left (or ``max_jobs``); returns counts by outcome. No threads start."""
+        """Run every job claimable now, in this thread, until none is left (or
+        ``max_jobs``); returns counts by outcome. No threads start.
+
+        Admission applies (limits, rate windows, partitions, pauses from the
+        ``belay_queues`` rows), as on a running worker; a chunk worker's jobs
+        run in chunks of whatever is claimable now, up to its size.
+        """
         counts: dict[str, int] = {}
-        with self._connection():
+        with self._connection() as conn:
+            effective = self._effective_specs(conn)
+            specs = [effective[name] for name in self.queues if name in effective
+                     and not effective[name].paused and name not in self._paused_here]
             ran = 0
             while max_jobs is None or ran < max_jobs:
-                job = self._claim_one()
-                if job is None:
+                batch = self._claim_for_drain(specs, None if max_jobs is None else max_jobs - ran)
+                if not batch:
                     break
-                definition = self.registry.get(job.kind)
-                if definition is None:
-                    self._return_unknown(job)
-                    outcome = "unknown"
-                else:
-                    execution = Execution(job, definition, None)
-                    outcome = self.execute(execution)
-                counts[outcome] = counts.get(outcome, 0) + 1
-                ran += 1
+                for outcome in self._run_drained(batch):
+                    counts[outcome] = counts.get(outcome, 0) + 1
+                ran += len(batch)
         return counts
 
-    def _claim_one(self) -> Job | None:
-        assert self._pool is not None
-        now = self._now()
-        for queue in self.queues:
-            with self._pool.connection() as conn:
-                jobs = store.claim(conn, queue, 1, self.node_id, now,
-                                   now + timedelta(seconds=self.lease_ttl))
-            if jobs:
-                return jobs[0]
-        return None
+    def _claim_for_drain(self, specs: list[QueueSpec], room: int | None) -> list[Job]:
+        """One job, or for a chunk worker as much of a chunk as is claimable now."""
+        for spec in specs:
+            jobs = self._claim_jobs(spec, 1)
+            if not jobs:
+                continue
+            definition = self.registry.get(jobs[0].kind)
+            if definition is not None and definition.chunk is not None:
+                more = definition.chunk.size - 1 if room is None else min(
+                    definition.chunk.size, room) - 1
+                if more > 0:
+                    jobs += self._claim_jobs(spec, more)
+            return jobs
+        return []
+
+    def _run_drained(self, jobs: list[Job]) -> list[str]:
+        outcomes: list[str] = []
+        chunks: dict[str, list[Execution]] = {}
+        for job in jobs:
+            definition = self.registry.get(job.kind)
+            if definition is None:
+                self._return_unknown(job)
+                outcomes.append("unknown")
+            elif definition.chunk is not None:
+                chunks.setdefault(job.kind, []).append(Execution(job, definition, None))
+            else:
+                outcomes.append(self.execute(Execution(job, definition, None)))
+        for executions in chunks.values():
+            outcomes += self.execute_chunk(executions).values()
+        return outcomes

@@ -22,6 +22,7 @@ from belay import names
 from belay.codec import dumps, loads
 from belay.enqueue import Row
 from belay.job import PARKED, TERMINAL, Event, Job, Step
+from belay.queues import QueueSpec, rate_admits, rate_allowance
 from belay.settle import Member, settle
 from belay.sql import QUERIES
 
@@ -354,6 +355,54 @@ def claim(
     return jobs
 
 
+def claim_admitted(
+    conn: Conn, spec: QueueSpec, demand: int, node: str, now: datetime, lease_until: datetime
+) -> list[Job]:
+    """§6 claim through admission: global limit, rate window, partitions.
+
+    Atomic: run inside a transaction. The queue's advisory lock serializes every
+    claimer of the queue, so the counts read here can't be raced by another
+    claimer; a shared rate resource takes its bucket's lock too (after the
+    queue's, always in that order), as several queues draw on it.
+    """
+    lock(conn, names.queue_lock(spec.name))
+    take = demand
+    if spec.global_limit is not None and spec.partition is None:
+        running = int(_value(conn, "live_running_count", {"queue": spec.name, "now": now}))
+        take = min(take, max(spec.global_limit - running, 0))
+    epoch = int(now.timestamp())
+    rate = spec.rate
+    if rate is not None and take > 0:
+        bucket = rate.bucket(spec.name)
+        if rate.resource is not None:
+            lock(conn, names.rate_lock(bucket))
+        window = names.window_start(epoch, rate.period)
+        counts = {r["window_start"]: r["count"] for r in _rows(
+            conn, "rate_windows", {"bucket": bucket, "windows": [window - rate.period, window]}
+        )}
+        allowance = rate_allowance(counts.get(window - rate.period, 0), counts.get(window, 0),
+                                   rate.allowed, rate.period, epoch)
+        take = rate_admits(take, allowance, rate.estimate)
+    if take <= 0:
+        return []
+    params = {"queue": spec.name, "take": take, "node": node, "now": now,
+              "lease_until": lease_until}
+    if spec.partition is None:
+        found = _rows(conn, "claim", params)
+    else:
+        source, key = spec.partition
+        ids = [r["id"] for r in _rows(conn, "claim_partitioned_ids", {
+            **params, "source": source, "key": key, "per_key": spec.per_key_limit,
+        })]
+        found = _rows(conn, "claim_ids", {**params, "ids": ids}) if ids else []
+    if rate is not None and found:
+        rate_add(conn, rate.bucket(spec.name), names.window_start(epoch, rate.period),
+                 len(found) * rate.estimate)
+    jobs = [Job.from_row(r) for r in found]
+    jobs.sort(key=lambda j: (j.priority, j.ready_at is not None, j.ready_at or now, j.id))
+    return jobs
+
+
 def renew_leases(
     conn: Conn, keys: Sequence[tuple[int, int]], node: str, until: datetime
 ) -> set[tuple[int, int]]:
@@ -484,8 +533,90 @@ def rate_add(conn: Conn, bucket: str, window_start: int, amount: int) -> None:
     _execute(conn, "rate_add", (bucket, window_start, amount))
 
 
+# -- Dynamic queues (§8.6) ------------------------------------------------------------
+
+
+def list_queues(conn: Conn) -> dict[str, Any]:
+    """Every ``belay_queues`` row: name → its JSON options."""
+    return {r["name"]: r["opts"] for r in _rows(conn, "list_queues")}
+
+
+def put_queue(conn: Conn, name: str, opts: dict[str, Any], now: datetime) -> None:
+    _execute(conn, "put_queue", {"name": name, "opts": dumps(opts).decode(), "now": now})
+
+
+def delete_queue(conn: Conn, name: str) -> bool:
+    return _execute(conn, "delete_queue", (name,)) > 0
+
+
+def pause_queue(conn: Conn, name: str, now: datetime) -> None:
+    _execute(conn, "pause_queue", {"name": name, "now": now})
+
+
+def resume_queue(conn: Conn, name: str, now: datetime) -> bool:
+    """Clear the pause; False when there was no row. Atomic: run in a transaction."""
+    if _value(conn, "queue_row_exists", (name,)) is None:
+        return False
+    _execute(conn, "resume_queue", {"name": name, "now": now})
+    return True
+
+
+# -- Retention (§8.7) ------------------------------------------------------------------
+
+
+def prune_jobs(conn: Conn, state: str, cutoff: datetime, limit: int) -> int:
+    """Delete one batch of ``state`` jobs finished before ``cutoff``, with their
+    steps and events; returns how many jobs went."""
+    return int(_value(conn, "prune_jobs", {"state": state, "cutoff": cutoff, "limit": limit}))
+
+
+def prune_signals(conn: Conn, cutoff: datetime) -> int:
+    return _execute(conn, "prune_signals", (cutoff,))
+
+
+def prune_rate(conn: Conn, before_window: int) -> int:
+    return _execute(conn, "prune_rate", (before_window,))
+
+
 def append_event(conn: Conn, job_id: int, payload_json: str, now: datetime) -> int:
     """Append to a job's event stream; returns the new entry's seq."""
     return int(_value(conn, "append_event", {"job_id": job_id, "payload": payload_json,
                                              "now": now}))
 
+
+# -- Workflows (§8.3) ----------------------------------------------------------------
+
+
+def lock_workflow(conn: Conn, workflow_id: str) -> list[Job]:
+    """Take the workflow lock (held until commit) and return the members already there.
+
+    Enqueueing a workflow checks and inserts under this lock, so concurrent
+    enqueues of one workflow id insert its members once. §7 lock order: it is
+    the first lock the transaction takes. Atomic: run inside a transaction.
+    """
+    lock(conn, names.workflow_lock(workflow_id))
+    return workflow_jobs(conn, workflow_id)
+
+
+# -- Cron (§8.5) -------------------------------------------------------------------
+
+
+def put_cron(conn: Conn, values: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """Create or replace a ``belay_crons`` row (``paused`` kept); returns the stored row.
+
+    ``values``: name, expression, worker, and input and opts as JSON text."""
+    return _rows(conn, "put_cron", {**values, "now": now})[0]
+
+
+def delete_cron(conn: Conn, name: str) -> bool:
+    return _execute(conn, "delete_cron", (name,)) > 0
+
+
+def set_cron_paused(conn: Conn, name: str, paused: bool, now: datetime) -> bool:
+    return _execute(conn, "set_cron_paused", {"name": name, "paused": paused, "now": now}) > 0
+
+
+def list_crons(conn: Conn) -> list[dict[str, Any]]:
+    """Every ``belay_crons`` row by name: name, expression, worker, input, opts, paused,
+    updated_at."""
+    return _rows(conn, "list_crons")

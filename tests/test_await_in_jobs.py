@@ -219,8 +219,8 @@ def test_a_stale_park_is_discarded(client, registry, sql_conn):
 def test_debit_adds_to_the_resource_rate_window(client, registry, clock, sql_conn):
     @belay.worker(name="t.debit", registry=registry)
     def debit(ctx: belay.Context) -> None:
-        ctx.debit("anthropic", 1_500)
-        ctx.debit("anthropic", 500)
+        ctx.debit("anthropic", 1_500, period=60)
+        ctx.debit("anthropic", 500, period=60)
 
     client.enqueue("t.debit")
     run(client, registry)
@@ -231,6 +231,7 @@ def test_debit_adds_to_the_resource_rate_window(client, registry, clock, sql_con
 
 @pytest.mark.parametrize(("args", "message"), [
     (("", 1), "resource"), (("r", -1), "units"), (("r", 1.5), "units"), (("r", 1, 0), "period"),
+    (("r", 1), "has no rate on resource 'r'"),
 ])
 def test_debit_refuses_bad_arguments(client, registry, args, message):
     @belay.worker(name="t.bad_debit", registry=registry)

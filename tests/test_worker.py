@@ -1270,7 +1270,8 @@ def test_a_worker_rejects_bad_options(client) -> None:
     ]:
         with pytest.raises(belay.ConfigurationError):
             belay.Worker(queues, client=client, registry=reg, **options)
-    assert belay.Worker(["x", "y"], client=client, registry=reg).queues == {"x": 10, "y": 10}
+    named = belay.Worker(["x", "y"], client=client, registry=reg).queues
+    assert {name: spec.limit for name, spec in named.items()} == {"x": 10, "y": 10}
 
 
 def test_a_worker_refuses_to_start_on_an_unmigrated_database(empty_db_url) -> None:

@@ -1,0 +1,124 @@
+-- Admission (contract §6), dynamic queues (§8.6) and retention (§8.7).
+-- Admission statements run inside one transaction that holds the queue's
+-- advisory lock, so their reads and the claim that follows can't race.
+
+-- name: live_running_count
+-- §6 global_limit: the queue's jobs under a live lease (an expired lease no
+-- longer holds a slot; the sweeper reclaims it).
+SELECT count(*) FROM belay_jobs
+WHERE queue = %(queue)s AND state = 'running' AND lease_until > %(now)s;
+
+-- name: rate_windows
+-- §6: the current and previous windows of a rate bucket.
+SELECT window_start, count FROM belay_rate
+WHERE bucket = %(bucket)s AND window_start = ANY(%(windows)s::bigint[]);
+
+-- name: claim_partitioned_ids
+-- §6 partitioned candidates, exact: rank the claimable jobs within each key
+-- and keep those a key still has room for (its cap minus its live-running
+-- jobs), then take the best globally. No FOR UPDATE: the queue's advisory lock
+-- serializes claimers; claim_ids re-checks each row as it takes it.
+WITH keyed AS (
+  SELECT id, priority, ready_at,
+         COALESCE((CASE WHEN %(source)s = 'meta' THEN meta ELSE input END) ->> %(key)s, '') AS k
+  FROM belay_jobs
+  WHERE queue = %(queue)s
+    AND ((state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s))
+      OR (state = 'awaiting' AND ready_at IS NOT NULL AND ready_at <= %(now)s))
+), ranked AS (
+  SELECT id, priority, ready_at, k,
+         row_number() OVER (PARTITION BY k ORDER BY priority ASC, ready_at ASC NULLS FIRST,
+                                                     id ASC) AS rn
+  FROM keyed
+), running AS (
+  SELECT COALESCE((CASE WHEN %(source)s = 'meta' THEN meta ELSE input END) ->> %(key)s, '') AS k,
+         count(*) AS c
+  FROM belay_jobs
+  WHERE queue = %(queue)s AND state = 'running' AND lease_until > %(now)s
+  GROUP BY 1
+)
+SELECT r.id FROM ranked AS r
+LEFT JOIN running ON running.k = r.k
+WHERE r.rn <= GREATEST(%(per_key)s - COALESCE(running.c, 0), 0)
+ORDER BY r.priority ASC, r.ready_at ASC NULLS FIRST, r.id ASC
+LIMIT %(take)s;
+
+-- name: claim_ids
+-- §6 claim update for chosen candidates, each re-checked claimable.
+UPDATE belay_jobs
+SET state = 'running', attempt = attempt + 1, lease_until = %(lease_until)s,
+    leased_by = %(node)s, started_at = COALESCE(started_at, %(now)s)
+WHERE id = ANY(%(ids)s::bigint[])
+  AND ((state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s))
+    OR (state = 'awaiting' AND ready_at IS NOT NULL AND ready_at <= %(now)s))
+RETURNING {job_columns};
+
+-- name: list_queues
+SELECT name, opts, updated_at FROM belay_queues ORDER BY name;
+
+-- name: put_queue
+INSERT INTO belay_queues (name, opts, updated_at) VALUES (%(name)s, %(opts)s::jsonb, %(now)s)
+ON CONFLICT (name) DO UPDATE SET opts = EXCLUDED.opts, updated_at = EXCLUDED.updated_at;
+
+-- name: delete_queue
+DELETE FROM belay_queues WHERE name = %s;
+
+-- name: pause_queue
+-- Sets "paused" in the row's options, making a pause-only row when none exists.
+INSERT INTO belay_queues (name, opts, updated_at)
+VALUES (%(name)s, '{"paused": true}'::jsonb, %(now)s)
+ON CONFLICT (name) DO UPDATE
+SET opts = belay_queues.opts || '{"paused": true}'::jsonb, updated_at = EXCLUDED.updated_at;
+
+-- name: resume_queue
+-- Drops "paused"; a row left with no options at all goes away.
+WITH resumed AS (
+  UPDATE belay_queues SET opts = opts - 'paused', updated_at = %(now)s
+  WHERE name = %(name)s
+  RETURNING name, opts
+)
+DELETE FROM belay_queues AS q USING resumed
+WHERE q.name = resumed.name AND resumed.opts = '{}'::jsonb
+RETURNING q.name;
+
+-- name: queue_row_exists
+SELECT 1 FROM belay_queues WHERE name = %s;
+
+-- name: prune_jobs
+-- §8.7 retention: one batch of a terminal state's jobs finished before the
+-- cutoff, deleted with their steps and events in one statement. Kept while
+-- something still depends on them: a workflow member while its workflow has
+-- live members (settlement reads its state), a child while its parent is live
+-- (the parent re-reads its children, and a pruned always-unique spawn key
+-- would let the child be spawned again).
+WITH doomed AS (
+  SELECT j.id FROM belay_jobs AS j
+  WHERE j.state = %(state)s AND j.finished_at IS NOT NULL AND j.finished_at < %(cutoff)s
+    AND (j.workflow_id IS NULL OR NOT EXISTS (
+      SELECT 1 FROM belay_jobs AS w
+      WHERE w.workflow_id = j.workflow_id
+        AND w.state NOT IN ('succeeded', 'failed', 'cancelled')))
+    AND (j.parent_id IS NULL OR NOT EXISTS (
+      SELECT 1 FROM belay_jobs AS p
+      WHERE p.id = j.parent_id AND p.state NOT IN ('succeeded', 'failed', 'cancelled')))
+  ORDER BY j.finished_at
+  LIMIT %(limit)s
+  FOR UPDATE OF j SKIP LOCKED
+), gone AS (
+  DELETE FROM belay_jobs AS j USING doomed
+  WHERE j.id = doomed.id AND j.state = %(state)s
+  RETURNING j.id
+), steps AS (
+  DELETE FROM belay_steps WHERE job_id IN (SELECT id FROM gone)
+), events AS (
+  DELETE FROM belay_events WHERE job_id IN (SELECT id FROM gone)
+)
+SELECT count(*) FROM gone;
+
+-- name: prune_signals
+-- §8.7: signals past their TTL.
+DELETE FROM belay_signals WHERE inserted_at < %s;
+
+-- name: prune_rate
+-- §8.7: rate windows older than a day.
+DELETE FROM belay_rate WHERE window_start < %s;
