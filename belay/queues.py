@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from belay.errors import ConfigurationError
@@ -216,13 +216,13 @@ def parse_queues(queues: Mapping[str, Any] | Iterable[str]) -> dict[str, QueueSp
 def merge(
     static: Mapping[str, QueueSpec], rows: Mapping[str, Mapping[str, Any]]
 ) -> tuple[dict[str, QueueSpec], dict[str, str]]:
-    """Static specs with the ``belay_queues`` rows layered over them (§8.6).
+    """Static specs with the ``belay_queues`` rows over them (§8.6).
 
-    A row's options override the static ones of the same name key by key (a
-    ``null`` removes one). A row holding nothing but ``paused`` only pauses: it
-    makes no queue on a node that doesn't have one. Returns the effective specs
-    and, for rows that don't parse, the reason — those are skipped (the static
-    spec, if any, stays), never fatal.
+    A row with options replaces the static queue of its name, as on the
+    reference. A row holding nothing but ``paused`` (what ``pause_queue``
+    writes for a static queue) only pauses: it makes no queue on a node that
+    doesn't serve one. Returns the effective specs and, for rows that don't
+    parse, the reason — those are skipped (a static spec stays), never fatal.
     """
     effective = dict(static)
     invalid: dict[str, str] = {}
@@ -231,13 +231,12 @@ def merge(
             invalid[name] = f"options are not a JSON object: {opts!r}"
             continue
         base = static.get(name)
-        if base is None and set(opts) <= {"paused"}:
+        if set(opts) <= {"paused"}:
+            if base is not None:
+                effective[name] = replace(base, paused=opts.get("paused") is True)
             continue
-        layered = {**(base.to_opts() if base is not None else {}), **opts}
         try:
-            effective[name] = parse_spec(
-                name, {k: v for k, v in layered.items() if v is not None}
-            )
+            effective[name] = parse_spec(name, {k: v for k, v in opts.items() if v is not None})
         except ConfigurationError as exc:
             invalid[name] = str(exc)
     return effective, invalid

@@ -545,6 +545,10 @@ def put_queue(conn: Conn, name: str, opts: dict[str, Any], now: datetime) -> Non
     _execute(conn, "put_queue", {"name": name, "opts": dumps(opts).decode(), "now": now})
 
 
+def queue_paused(conn: Conn, name: str) -> bool:
+    return bool(_value(conn, "queue_paused", (name,)))
+
+
 def delete_queue(conn: Conn, name: str) -> bool:
     return _execute(conn, "delete_queue", (name,)) > 0
 
@@ -555,9 +559,11 @@ def pause_queue(conn: Conn, name: str, now: datetime) -> None:
 
 def resume_queue(conn: Conn, name: str, now: datetime) -> bool:
     """Clear the pause; False when there was no row. Atomic: run in a transaction."""
-    if _value(conn, "queue_row_exists", (name,)) is None:
+    left = _rows(conn, "resume_queue", {"name": name, "now": now})
+    if not left:
         return False
-    _execute(conn, "resume_queue", {"name": name, "now": now})
+    if not left[0]["opts"]:
+        _execute(conn, "delete_empty_queue", (name,))
     return True
 
 

@@ -71,18 +71,17 @@ ON CONFLICT (name) DO UPDATE
 SET opts = belay_queues.opts || '{"paused": true}'::jsonb, updated_at = EXCLUDED.updated_at;
 
 -- name: resume_queue
--- Drops "paused"; a row left with no options at all goes away.
-WITH resumed AS (
-  UPDATE belay_queues SET opts = opts - 'paused', updated_at = %(now)s
-  WHERE name = %(name)s
-  RETURNING name, opts
-)
-DELETE FROM belay_queues AS q USING resumed
-WHERE q.name = resumed.name AND resumed.opts = '{}'::jsonb
-RETURNING q.name;
+-- Drops "paused"; returns what options are left.
+UPDATE belay_queues SET opts = opts - 'paused', updated_at = %(now)s
+WHERE name = %(name)s
+RETURNING opts;
 
--- name: queue_row_exists
-SELECT 1 FROM belay_queues WHERE name = %s;
+-- name: delete_empty_queue
+-- A row left with no options at all (a pause-only row) goes away.
+DELETE FROM belay_queues WHERE name = %s AND opts = '{}'::jsonb;
+
+-- name: queue_paused
+SELECT COALESCE((opts ->> 'paused')::boolean, false) FROM belay_queues WHERE name = %s;
 
 -- name: prune_jobs
 -- §8.7 retention: one batch of a terminal state's jobs finished before the
