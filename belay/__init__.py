@@ -28,6 +28,7 @@ from belay.context import (
     Interrupted,
     StepValueRefused,
 )
+from belay.cron import CronEntry, CronScheduler, DynamicCron
 from belay.enqueue import JobSpec, Unique
 from belay.errors import (
     BelayError,
@@ -44,9 +45,11 @@ from belay.errors import (
 )
 from belay.job import Event, Job, Step, WorkflowStatus
 from belay.outcome import Cancel, Snooze, default_backoff
+from belay.queues import QueueSpec
 from belay.registry import Registry, WorkerDef, worker
 from belay.runner import JobEnd, Worker
 from belay.schema import CONTRACT_MAJOR, MIN_REVISION, SchemaStatus
+from belay.workflow import Workflow
 
 __all__ = [
     "CONTRACT_MAJOR",
@@ -63,6 +66,9 @@ __all__ = [
     "Context",
     "ContractMismatch",
     "Cost",
+    "CronEntry",
+    "CronScheduler",
+    "DynamicCron",
     "Event",
     "Interrupted",
     "Job",
@@ -74,6 +80,7 @@ __all__ = [
     "ManualClock",
     "NotRetryable",
     "Opaque",
+    "QueueSpec",
     "Registry",
     "SchemaError",
     "SchemaMissing",
@@ -87,6 +94,7 @@ __all__ = [
     "ValidationError",
     "Worker",
     "WorkerDef",
+    "Workflow",
     "WorkflowStatus",
     "await_result",
     "cancel_job",
@@ -95,13 +103,24 @@ __all__ = [
     "configure",
     "default",
     "default_backoff",
+    "delete_cron",
+    "delete_queue",
     "enqueue",
     "enqueue_many",
+    "enqueue_workflow",
     "errors",
     "events",
     "get_job",
+    "list_crons",
     "list_jobs",
+    "list_queues",
     "migrate",
+    "pause_cron",
+    "pause_queue",
+    "put_cron",
+    "put_queue",
+    "resume_cron",
+    "resume_queue",
     "retry_job",
     "signal",
     "signal_job",
@@ -197,6 +216,10 @@ def enqueue_many(
     return default().enqueue_many(jobs, conn=conn)
 
 
+def enqueue_workflow(workflow: Workflow, *, conn: Conn | None = None) -> dict[str, Job]:
+    return default().enqueue_workflow(workflow, conn=conn)
+
+
 def get_job(job_id: int, *, conn: Conn | None = None) -> Job | None:
     return default().get_job(job_id, conn=conn)
 
@@ -257,3 +280,54 @@ def retry_job(job_id: int, *, conn: Conn | None = None) -> Job:
 
 def await_result(job_id: int, timeout: float | None = None) -> Any:
     return default().await_result(job_id, timeout)
+
+
+# -- Cron (§8.5) -------------------------------------------------------------------
+
+
+def put_cron(
+    name: str,
+    expression: str,
+    worker: Any,
+    input: Mapping[str, Any] | None = None,
+    *,
+    conn: Conn | None = None,
+    **options: Any,
+) -> DynamicCron:
+    return default().put_cron(name, expression, worker, input, conn=conn, **options)
+
+
+def delete_cron(name: str, *, conn: Conn | None = None) -> bool:
+    return default().delete_cron(name, conn=conn)
+
+
+def pause_cron(name: str, *, conn: Conn | None = None) -> bool:
+    return default().pause_cron(name, conn=conn)
+
+
+def resume_cron(name: str, *, conn: Conn | None = None) -> bool:
+    return default().resume_cron(name, conn=conn)
+
+
+def list_crons(*, conn: Conn | None = None) -> list[DynamicCron]:
+    return default().list_crons(conn=conn)
+
+
+def put_queue(name: str, **options: Any) -> QueueSpec:
+    return default().put_queue(name, **options)
+
+
+def delete_queue(name: str, *, conn: Conn | None = None) -> bool:
+    return default().delete_queue(name, conn=conn)
+
+
+def pause_queue(name: str, *, conn: Conn | None = None) -> None:
+    default().pause_queue(name, conn=conn)
+
+
+def resume_queue(name: str, *, conn: Conn | None = None) -> bool:
+    return default().resume_queue(name, conn=conn)
+
+
+def list_queues(*, conn: Conn | None = None) -> dict[str, dict[str, Any]]:
+    return default().list_queues(conn=conn)

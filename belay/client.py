@@ -24,6 +24,7 @@ from psycopg_pool import ConnectionPool
 from belay import names, schema, store
 from belay.clock import Clock, SystemClock
 from belay.codec import dumps_object
+from belay.cron import DynamicCron, dynamic_values
 from belay.crypto import encrypt_input, parse_key
 from belay.enqueue import JobSpec, Row, Unique, build_row, spec_from
 from belay.errors import (
@@ -36,7 +37,10 @@ from belay.errors import (
 )
 from belay.job import STATES, Event, Job, Step, WorkflowStatus
 from belay.notify import ResultListener
+from belay.queues import QueueSpec
+from belay.queues import parse_spec as parse_queue_spec
 from belay.registry import DEFAULT_REGISTRY, Registry
+from belay.workflow import Workflow, member_errors
 
 Conn = psycopg.Connection[Any]
 CancelStatus = Literal["cancelled", "requested", "noop"]
@@ -272,6 +276,34 @@ class Belay:
             self._poke(active, {job.queue for job in results if not job.duplicate})
         return results
 
+    def enqueue_workflow(
+        self, workflow: Workflow, *, conn: Conn | None = None
+    ) -> dict[str, Job]:
+        """Insert a :class:`belay.Workflow`'s members in one transaction (§8.3):
+        members with deps ``held``, the others ``ready``. Returns the jobs by
+        member name.
+
+        Runs under the workflow lock: when the workflow id already has members
+        (an enqueue retried after a network error, or of an explicit
+        ``workflow_id`` used before), they are returned with ``duplicate=True``
+        and nothing is inserted.
+        """
+        now = self.clock.now()
+        rows: dict[str, Row] = {}
+        for name, spec in workflow.specs():
+            with member_errors(name):
+                rows[name] = self._build(spec, now)
+        with self.transaction(conn) as active:
+            existing = store.lock_workflow(active, workflow.workflow_id)
+            if existing:
+                return workflow.existing(existing)
+            inserted = store.insert_jobs(active, list(rows.values()), now)
+            if len(inserted) != len(rows):
+                # Members carry no unique key or cron slot, so nothing can conflict.
+                raise RuntimeError("belay: a workflow member was not inserted")
+            self._poke(active, {job.queue for job in inserted if job.state == "ready"})
+        return dict(zip(rows, inserted, strict=True))
+
     def _build(self, spec: JobSpec, now: datetime) -> Row:
         spec = self._resolve(spec)
         row = build_row(spec, now)
@@ -500,6 +532,93 @@ class Belay:
                 active, {queue for _, queue in outcome.settled.ready}, outcome.settled.cancelled
             )
         return outcome.job
+
+    # -- Cron (§8.5) ----------------------------------------------------------------
+
+    def put_cron(
+        self,
+        name: str,
+        expression: str,
+        worker: Any,
+        input: Mapping[str, Any] | None = None,
+        *,
+        conn: Conn | None = None,
+        **options: Any,
+    ) -> DynamicCron:
+        """Create or replace the dynamic cron ``name``: a ``belay_crons`` row every
+        node's scheduler fires (overriding a static cron of that name). Options:
+        queue, priority, max_attempts, meta, partition_key; all checked before
+        anything is written. A paused cron stays paused."""
+        values = dynamic_values(name, expression, worker, input, options)
+        with self.transaction(conn) as active:
+            return DynamicCron.from_row(store.put_cron(active, values, self.clock.now()))
+
+    def delete_cron(self, name: str, *, conn: Conn | None = None) -> bool:
+        """Delete a dynamic cron; False when there was none. A static cron of that
+        name fires again."""
+        with self.transaction(conn) as active:
+            return store.delete_cron(active, name)
+
+    def pause_cron(self, name: str, *, conn: Conn | None = None) -> bool:
+        """Stop a dynamic cron firing (a static cron of that name too); False when
+        there is no such row."""
+        with self.transaction(conn) as active:
+            return store.set_cron_paused(active, name, True, self.clock.now())
+
+    def resume_cron(self, name: str, *, conn: Conn | None = None) -> bool:
+        """Let a paused dynamic cron fire again; False when there is no such row."""
+        with self.transaction(conn) as active:
+            return store.set_cron_paused(active, name, False, self.clock.now())
+
+    def list_crons(self, *, conn: Conn | None = None) -> list[DynamicCron]:
+        """Every dynamic cron (``belay_crons`` row), by name, as stored."""
+        with self.connection(conn) as active:
+            return [DynamicCron.from_row(row) for row in store.list_crons(active)]
+
+    # -- Dynamic queues (§8.6) -------------------------------------------------------
+
+    def put_queue(
+        self, name: str, *, limit: int | Mapping[str, int] = 10,
+        global_limit: int | None = None, rate: Mapping[str, Any] | None = None,
+        partition: Mapping[str, str] | None = None, conn: Conn | None = None,
+    ) -> QueueSpec:
+        """Create or replace the ``belay_queues`` row of ``name``: every worker
+        serves the queue with these options within its ``queue_sync_interval``,
+        in place of a static queue's options of that name. The options are
+        checked here, so a bad row never reaches a worker. A pause stays as it was."""
+        opts: dict[str, Any] = {"limit": limit, "global_limit": global_limit, "rate": rate,
+                                "partition": partition}
+        spec = parse_queue_spec(name, {k: v for k, v in opts.items() if v is not None})
+        stored = spec.to_opts()
+        with self.transaction(conn) as active:
+            if store.queue_paused(active, name):
+                stored["paused"] = True
+            store.put_queue(active, name, stored, self.clock.now())
+        return spec
+
+    def delete_queue(self, name: str, *, conn: Conn | None = None) -> bool:
+        """Remove the row: workers stop serving a queue only the row defined (its
+        running jobs finish) and go back to their static options for the rest."""
+        with self.connection(conn) as active:
+            return store.delete_queue(active, name)
+
+    def pause_queue(self, name: str, *, conn: Conn | None = None) -> None:
+        """Stop every worker claiming from ``name`` (running jobs finish); works for
+        static queues too. ``Worker.pause_queue`` pauses one node only."""
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"a queue name is a non-empty string, got {name!r}")
+        with self.connection(conn) as active:
+            store.pause_queue(active, name, self.clock.now())
+
+    def resume_queue(self, name: str, *, conn: Conn | None = None) -> bool:
+        """Undo :meth:`pause_queue`; False when the queue had no row."""
+        with self.transaction(conn) as active:
+            return store.resume_queue(active, name, self.clock.now())
+
+    def list_queues(self, *, conn: Conn | None = None) -> dict[str, dict[str, Any]]:
+        """The ``belay_queues`` rows: name → options (static queues are not listed)."""
+        with self.connection(conn) as active:
+            return store.list_queues(active)
 
     # -- Results -------------------------------------------------------------------
 

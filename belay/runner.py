@@ -9,8 +9,15 @@ Threads (all named, all stopping within their wait timeouts):
 - ``belay-heartbeat``: renews every local lease in one statement each
   ``lease_ttl / 3`` and enforces timeouts; a lease not renewed is lost, and its
   execution may never ack;
-- ``belay-sweeper``: reclaims expired leases of any node (§6);
+- ``belay-sweeper``: reclaims expired leases of any node (§6), wakes parents
+  whose children are done (§8.4) and prunes old rows (§8.7);
+- ``belay-queues``: merges the ``belay_queues`` rows over the static queues (§8.6);
+- ``belay-cron``: inserts due cron slots, exactly once cluster-wide (§8.5);
 - ``belay-listener`` (``notify=True``): LISTEN for pokes (§9.2).
+
+Queues with a global limit, a rate or a partition claim through admission
+(§6, :func:`belay.store.claim_admitted`); chunk workers' jobs gather in a
+per-queue buffer until their chunk fills or its gather time is up.
 
 Job code never runs on the heartbeat's thread, so a busy job can't starve its
 own lease (it still holds the GIL: send CPU-heavy work to several processes).
@@ -40,6 +47,7 @@ from psycopg_pool import ConnectionPool
 from belay import names, schema, store
 from belay.client import Belay
 from belay.context import Context, Execution, Park
+from belay.cron import CronScheduler
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.errors import ConfigurationError, ValidationError
 from belay.job import Job
@@ -183,14 +191,10 @@ class Worker:
         self.queue_sync_interval = float(queue_sync_interval)
         self.signal_ttl = None if signal_ttl is None else float(signal_ttl)
         self.node_id = node_id or f"{os.uname().nodename}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
-        self.crons = list(crons)
-        self._cron: Any = None
-        if self.crons:
-            from belay.cron import CronScheduler, entries_from_config
-
-            self._cron = CronScheduler(self.client, entries_from_config(self.crons),
-                                       registry=self.registry, interval=cron_interval,
-                                       notify=notify)
+        # Every node runs a scheduler, crons or not: rows in belay_crons fire
+        # leaderlessly from whichever nodes are up (§8.5).
+        self.cron = CronScheduler(self.client, list(crons), registry=self.registry,
+                                  interval=cron_interval, notify=notify)
         self._hooks: list[Callable[[JobEnd], None]] = []
         # Reentrant: start() applies the first queue set while holding it.
         self._lock = threading.RLock()
@@ -262,8 +266,7 @@ class Worker:
                     self.client.conninfo, self._channel, self._on_notify, name="belay-listener"
                 )
                 self._listener.start()
-            if self._cron is not None:
-                self._cron.start()
+            self.cron.start()
             self._started = True
         log.info("belay worker %s started: queues %s", self.node_id,
                  {name: q.spec.to_opts() for name, q in self._live.items()})
@@ -285,8 +288,7 @@ class Worker:
             self._started = False
         grace = self.shutdown_grace if grace is None else grace
         self._stopping.set()
-        if self._cron is not None:
-            self._cron.stop()
+        self.cron.stop()
         with self._lock:
             queues = list(self._live.values())
         for q in queues:
