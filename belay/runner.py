@@ -70,6 +70,15 @@ DEFAULT_SIGNAL_TTL = 7 * 86_400.0
 PRUNE_INTERVAL = 60.0
 PRUNE_BATCH = 500
 PRUNE_BATCHES = 20
+#: The longest retention or signal TTL taken (a century: "now" minus it must
+#: still be a date); None keeps forever.
+MAX_KEEP = 100 * 365 * 86_400.0
+
+
+def _keep_ok(keep: object) -> bool:
+    """Seconds > 0 and at most MAX_KEEP (NaN and infinity are neither)."""
+    return (not isinstance(keep, bool) and isinstance(keep, (int, float))
+            and 0 < keep <= MAX_KEEP)
 
 
 def parse_retention(retention: Mapping[str, float | None] | None) -> dict[str, float | None]:
@@ -80,11 +89,10 @@ def parse_retention(retention: Mapping[str, float | None] | None) -> dict[str, f
             raise ConfigurationError(
                 f"retention is per terminal state (succeeded, failed, cancelled), got {state!r}"
             )
-        if keep is not None and (
-            isinstance(keep, bool) or not isinstance(keep, (int, float)) or keep <= 0
-        ):
+        if keep is not None and not _keep_ok(keep):
             raise ConfigurationError(
-                f"retention[{state!r}] is seconds > 0, or None to keep forever; got {keep!r}"
+                f"retention[{state!r}] is seconds > 0 (at most a century), or None to keep "
+                f"forever; got {keep!r}"
             )
         merged[state] = None if keep is None else float(keep)
     return merged
@@ -98,6 +106,13 @@ class JobEnd:
     outcome: str  # succeeded | retry | failed | cancelled | snooze | stale | timeout | lost
     duration: float
     error: Any = None
+
+
+def _pool_size(specs: Iterable[QueueSpec]) -> int:
+    """Producers + heartbeat + sweeper + queue sync + cron, and acks (which may wait
+    their turn)."""
+    specs = list(specs)
+    return len(specs) + 4 + min(sum(s.limit for s in specs), 16)
 
 
 class _Queue:
@@ -169,12 +184,10 @@ class Worker:
         if shutdown_grace < 0:
             raise ConfigurationError("shutdown_grace must be >= 0 seconds")
         self.retention = parse_retention(retention)
-        if signal_ttl is not None and (
-            isinstance(signal_ttl, bool) or not isinstance(signal_ttl, (int, float))
-            or signal_ttl <= 0
-        ):
+        if signal_ttl is not None and not _keep_ok(signal_ttl):
             raise ConfigurationError(
-                f"signal_ttl must be seconds > 0 (or None to keep signals), got {signal_ttl!r}"
+                "signal_ttl must be seconds > 0 (at most a century), or None to keep signals; "
+                f"got {signal_ttl!r}"
             )
         if client is None:
             from belay import default
@@ -243,9 +256,7 @@ class Worker:
             self._pool = ConnectionPool(
                 self.client.conninfo,
                 min_size=1,
-                # producers + heartbeat + sweeper + queue sync + cron, and acks
-                # (which may wait their turn)
-                max_size=len(specs) + 4 + min(sum(s.limit for s in specs.values()), 16),
+                max_size=_pool_size(specs.values()),
                 kwargs={"autocommit": True, "application_name": "belay-worker"},
                 name="belay-worker",
                 open=True,
@@ -442,6 +453,10 @@ class Worker:
                 gone.wake.set()
                 log.info("belay: queue %r removed; its running jobs finish", name)
             self._resize_executors(sum(q.spec.limit for q in self._live.values()))
+            if self._pool is not None:
+                wanted = _pool_size(q.spec for q in self._live.values())
+                if wanted != self._pool.max_size:
+                    self._pool.resize(1, wanted)
         for q in started:
             self._spawn(functools.partial(self._produce, q), f"belay-producer-{q.name}")
 
@@ -487,6 +502,9 @@ class Worker:
                     wait = min(wait, max(0.0, min(q.gather_until.values()) - time.monotonic()))
             q.wake.wait(wait)
             q.wake.clear()
+        # Leaving (stop, or the queue left the configuration): chunks still
+        # gathering hold claimed jobs under renewed leases; they run now.
+        self._flush_chunks(q, everything=True)
 
     def _adapt(self, q: _Queue, claimed: int, demand: int) -> None:
         spec = q.spec
@@ -900,8 +918,10 @@ class Worker:
                     conn, now - timedelta(seconds=self.signal_ttl))
             # A day, as §8.7 says — or two of this node's longest period, which
             # its rate math still reads (the previous window).
-            periods = [s.rate.period for s in self.live_queues().values() or self.queues.values()
-                       if s.rate is not None]
+            # Not started: the static queues with the belay_queues rows over them,
+            # as drain() serves them.
+            specs = self.live_queues() or self._effective_specs(conn)
+            periods = [s.rate.period for s in specs.values() if s.rate is not None]
             horizon = max([86_400, *(2 * p for p in periods)])
             counts["rate_windows"] = store.prune_rate(conn, int(now.timestamp()) - horizon)
         pruned = {k: v for k, v in counts.items() if v}
@@ -1009,6 +1029,7 @@ class Worker:
     def _run_drained(self, jobs: list[Job]) -> list[str]:
         outcomes: list[str] = []
         chunks: dict[str, list[Execution]] = {}
+        sizes: dict[str, int] = {}
         for job in jobs:
             definition = self.registry.get(job.kind)
             if definition is None:
@@ -1016,8 +1037,11 @@ class Worker:
                 outcomes.append("unknown")
             elif definition.chunk is not None:
                 chunks.setdefault(job.kind, []).append(Execution(job, definition, None))
+                sizes[job.kind] = definition.chunk.size
             else:
                 outcomes.append(self.execute(Execution(job, definition, None)))
-        for executions in chunks.values():
-            outcomes += self.execute_chunk(executions).values()
+        # The claim may hold several chunk kinds: each runs in chunks of its own size.
+        for kind, executions in chunks.items():
+            for start in range(0, len(executions), sizes[kind]):
+                outcomes += self.execute_chunk(executions[start:start + sizes[kind]]).values()
         return outcomes

@@ -338,6 +338,23 @@ def test_partitions_hold_per_key_across_processes_and_a_minority_key_is_not_star
     assert max(i for i, t in enumerate(order) if t != "big") < 20, order
 
 
+def test_a_rate_window_holds_across_three_worker_processes(cluster, db_url, sql_conn) -> None:
+    """5 starts per 1 s window across three nodes: per window, counted from the
+    claim times the database holds, never more than 5."""
+    with belay.Belay(db_url) as producer:
+        producer.enqueue_many(
+            [belay.JobSpec("adm.observe", {"hold": 0.01}, queue="r") for _ in range(24)])
+    cluster.start(3, {"r": {"limit": 5, "rate": {"allowed": 5, "period": 1}}})
+    wait_until(lambda: finished(sql_conn, "r", 24), "all 24 jobs succeeded", timeout=60)
+    per_window = [row[0] for row in sql_conn.execute(
+        "SELECT count(*) FROM belay_jobs WHERE queue = 'r' "
+        "GROUP BY floor(extract(epoch FROM started_at))")]
+    assert max(per_window) <= 5, (per_window, cluster.logs())
+    assert len(per_window) >= 5  # 24 starts needed at least five windows
+    debited = sql_conn.execute("SELECT sum(count) FROM belay_rate WHERE bucket = 'queue:r'")
+    assert debited.fetchone() == (24,)
+
+
 # -- Adaptive limits, in a running worker ------------------------------------------------
 
 
