@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from belay import names, store
 from belay.codec import dumps_object
-from belay.enqueue import JobSpec, Row, build_row, kind_of
+from belay.enqueue import JobSpec, Row, as_utc, build_row, kind_of
 from belay.errors import BelayError, ConfigurationError, ValidationError
 from belay.job import Job
 from belay.registry import Registry, WorkerDef
@@ -101,19 +101,9 @@ def _croniter() -> Any:
 # -- Slots and expressions (pure) ---------------------------------------------------
 
 
-def _utc(what: str, when: Any) -> datetime:
-    if not isinstance(when, datetime):
-        raise ValidationError(f"{what} must be a datetime, got {type(when).__name__}")
-    if when.tzinfo is None or when.utcoffset() is None:
-        raise ValidationError(
-            f"{what} must be timezone-aware (cron runs in UTC), got the naive {when!r}"
-        )
-    return when.astimezone(timezone.utc)
-
-
 def slot(now: datetime) -> datetime:
     """The UTC minute holding ``now``: seconds and microseconds zeroed (§8.5)."""
-    return _utc("now", now).replace(second=0, microsecond=0, fold=0)
+    return as_utc("now", now).replace(second=0, microsecond=0, fold=0)
 
 
 @dataclass(frozen=True)
@@ -204,7 +194,7 @@ def _check_field(source: str, name: str, text: str) -> None:
 
 def due_slots(expr: CronExpr, after: datetime, until: datetime) -> list[datetime]:
     """The minute slots ``expr`` matches in ``(after, until]``, in order (UTC)."""
-    after, until = _utc("after", after), _utc("until", until)
+    after, until = as_utc("after", after), as_utc("until", until)
     found: list[datetime] = []
     if until <= after:
         return found
@@ -500,7 +490,7 @@ class CronScheduler:
         """Insert every due slot (§8.5); returns the jobs this call inserted (a
         slot another node inserted first is not among them)."""
         with self._tick_lock:
-            now = _utc("now", self.client.clock.now() if now is None else now)
+            now = as_utc("now", self.client.clock.now() if now is None else now)
             problems: dict[str, str] = {}
             with self.client.transaction() as conn:
                 stored = [DynamicCron.from_row(r) for r in store.list_crons(conn)]

@@ -205,7 +205,8 @@ def _int(name: str, value: Any, low: int, high: int) -> int:
     return value
 
 
-def _aware(name: str, value: Any) -> datetime:
+def as_utc(name: str, value: Any) -> datetime:
+    """``value``, a timezone-aware datetime, in UTC; a ValidationError naming ``name`` else."""
     if not isinstance(value, datetime):
         raise ValidationError(f"{name} must be a datetime, got {type(value).__name__}")
     if value.tzinfo is None or value.utcoffset() is None:
@@ -220,7 +221,7 @@ def _ready_at(delay: Any, run_at: Any, now: datetime) -> datetime:
     if delay is not None and run_at is not None:
         raise ValidationError("give delay or run_at, not both")
     if run_at is not None:
-        return _aware("run_at", run_at)
+        return as_utc("run_at", run_at)
     if delay is None:
         return now
     if isinstance(delay, timedelta):
