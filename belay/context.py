@@ -274,12 +274,12 @@ class Context:
         try:
             envelope = encode_value(value, what=f"the value of step {name!r}")
         except ValidationError as exc:
-            raise StepValueRefused(str(exc)) from None
+            raise self._control(StepValueRefused(str(exc))) from None
         if len(envelope) > MAX_STEP_VALUE:
-            raise StepValueRefused(
+            raise self._control(StepValueRefused(
                 f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
                 f"{MAX_STEP_VALUE} (1 MiB): store large data elsewhere and journal a reference"
-            )
+            ))
         # One statement (journal + spend): no transaction block needed around it.
         with self.client.connection() as conn:
             spend = store.put_step(conn, job_id, name, envelope, usd_micros, tokens,

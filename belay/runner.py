@@ -557,12 +557,15 @@ class Worker:
         kind = execution.job.kind
         buffered = q.buffers.setdefault(kind, [])
         buffered.append(execution)
+        gather = min(chunk.gather_ms / 1000.0, self.lease_ttl / 2)
         if kind not in q.gather_until:
-            gather = min(chunk.gather_ms / 1000.0, self.lease_ttl / 2)
             q.gather_until[kind] = time.monotonic() + gather
-        while len(buffered) >= chunk.size:
-            self._work.put(buffered[:chunk.size])
-            del buffered[:chunk.size]
+        if len(buffered) >= chunk.size:
+            while len(buffered) >= chunk.size:
+                self._work.put(buffered[:chunk.size])
+                del buffered[:chunk.size]
+            # What is left starts a gather of its own.
+            q.gather_until[kind] = time.monotonic() + gather
         if not buffered:
             del q.buffers[kind]
             del q.gather_until[kind]
@@ -897,18 +900,20 @@ class Worker:
         """§8.7 retention, one pass: delete terminal jobs older than their state's
         retention (with their steps and events, in batches), signals past
         ``signal_ttl`` and rate windows no claim reads any more. Never a
-        non-terminal job, nor one its workflow or parent still depends on.
+        non-terminal job; a workflow's members only once all of them are past
+        their retention, children only once their parent is.
         Returns how many rows went, by kind."""
         now = self._now()
         counts: dict[str, int] = {}
         with self._connection() as conn:
-            for state, keep in self.retention.items():
-                if keep is None:
+            cutoffs = {state: None if keep is None else now - timedelta(seconds=keep)
+                       for state, keep in self.retention.items()}
+            for state, cutoff in cutoffs.items():
+                if cutoff is None:
                     continue
-                cutoff = now - timedelta(seconds=keep)
                 total = 0
                 for _ in range(PRUNE_BATCHES):
-                    deleted = store.prune_jobs(conn, state, cutoff, PRUNE_BATCH)
+                    deleted = store.prune_jobs(conn, state, cutoffs, PRUNE_BATCH)
                     total += deleted
                     if deleted < PRUNE_BATCH:
                         break

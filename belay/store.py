@@ -570,10 +570,17 @@ def resume_queue(conn: Conn, name: str, now: datetime) -> bool:
 # -- Retention (§8.7) ------------------------------------------------------------------
 
 
-def prune_jobs(conn: Conn, state: str, cutoff: datetime, limit: int) -> int:
-    """Delete one batch of ``state`` jobs finished before ``cutoff``, with their
-    steps and events; returns how many jobs went."""
-    return int(_value(conn, "prune_jobs", {"state": state, "cutoff": cutoff, "limit": limit}))
+def prune_jobs(
+    conn: Conn, state: str, cutoffs: dict[str, datetime | None], limit: int
+) -> int:
+    """Delete one batch of ``state`` jobs finished before ``cutoffs[state]``, with
+    their steps and events; returns how many jobs went. ``cutoffs`` holds every
+    terminal state's (None: kept forever), for the workflow and parent checks."""
+    return int(_value(conn, "prune_jobs", {
+        "state": state, "cutoff": cutoffs[state], "limit": limit,
+        "succeeded": cutoffs.get("succeeded"), "failed": cutoffs.get("failed"),
+        "cancelled": cutoffs.get("cancelled"),
+    }))
 
 
 def prune_signals(conn: Conn, cutoff: datetime) -> int:

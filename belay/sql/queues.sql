@@ -84,22 +84,31 @@ DELETE FROM belay_queues WHERE name = %s AND opts = '{}'::jsonb;
 SELECT COALESCE((opts ->> 'paused')::boolean, false) FROM belay_queues WHERE name = %s;
 
 -- name: prune_jobs
--- §8.7 retention: one batch of a terminal state's jobs finished before the
--- cutoff, deleted with their steps and events in one statement. Kept while
--- something still depends on them: a workflow member while its workflow has
--- live members (settlement reads its state), a child while its parent is live
--- (the parent re-reads its children, and a pruned always-unique spawn key
--- would let the child be spawned again).
+-- §8.7 retention: one batch of a terminal state's jobs finished before its
+-- cutoff, deleted with their steps and events in one statement. A job is
+-- "expired" when it is terminal and finished before its own state's cutoff
+-- (a NULL cutoff: kept forever). Workflow members go only once every member
+-- of the workflow expired (settlement and an operator's retry read the
+-- members' states), children only once their parent expired too (a retried
+-- parent re-reads its children, and a pruned always-unique spawn key would
+-- let a child be spawned again).
 WITH doomed AS (
   SELECT j.id FROM belay_jobs AS j
   WHERE j.state = %(state)s AND j.finished_at IS NOT NULL AND j.finished_at < %(cutoff)s
     AND (j.workflow_id IS NULL OR NOT EXISTS (
       SELECT 1 FROM belay_jobs AS w
       WHERE w.workflow_id = j.workflow_id
-        AND w.state NOT IN ('succeeded', 'failed', 'cancelled')))
+        AND NOT (w.finished_at IS NOT NULL AND w.finished_at < CASE w.state
+          WHEN 'succeeded' THEN %(succeeded)s::timestamptz
+          WHEN 'failed' THEN %(failed)s::timestamptz
+          WHEN 'cancelled' THEN %(cancelled)s::timestamptz END)))
     AND (j.parent_id IS NULL OR NOT EXISTS (
       SELECT 1 FROM belay_jobs AS p
-      WHERE p.id = j.parent_id AND p.state NOT IN ('succeeded', 'failed', 'cancelled')))
+      WHERE p.id = j.parent_id
+        AND NOT (p.finished_at IS NOT NULL AND p.finished_at < CASE p.state
+          WHEN 'succeeded' THEN %(succeeded)s::timestamptz
+          WHEN 'failed' THEN %(failed)s::timestamptz
+          WHEN 'cancelled' THEN %(cancelled)s::timestamptz END)))
   ORDER BY j.finished_at
   LIMIT %(limit)s
   FOR UPDATE OF j SKIP LOCKED
