@@ -7,9 +7,11 @@ outdated schema, unknown contract major); 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import psycopg
 
@@ -39,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                      help="import MODULE to register its @belay.worker functions (repeatable)")
     run.add_argument("--queue", dest="queues", action="append", default=[], metavar="NAME=N",
-                     help="a queue and its concurrency limit (repeatable; default: default=10)")
+                     help="a queue and its concurrency limit, or NAME='{json options}' "
+                          "(global_limit, rate, partition…; repeatable; default: default=10)")
     run.add_argument("--notify", action="store_true",
                      help="LISTEN for pg_notify pokes and send result notifications")
     run.add_argument("--lease-ttl", type=float, default=30.0, metavar="SECONDS")
@@ -101,13 +104,21 @@ def _schema(command: str, url: str) -> int:
         return 0
 
 
-def _parse_queue(text: str) -> tuple[str, int]:
-    name, sep, limit = text.partition("=")
+def _parse_queue(text: str) -> tuple[str, Any]:
+    """``name``, ``name=N`` or ``name={json options}`` (see docs/queues.md)."""
+    name, sep, value = text.partition("=")
     if not sep:
         return name, 10
-    if not limit.isdigit() or int(limit) < 1:
-        raise ValueError(f"--queue {text!r}: the limit after '=' is a whole number >= 1")
-    return name, int(limit)
+    if value.lstrip().startswith("{"):
+        try:
+            return name, json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--queue {text!r}: the options after '=' are not JSON: {exc}") \
+                from None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--queue {text!r}: after '=' comes a whole number >= 1 or JSON "
+                         "options like {\"limit\": 10, \"global_limit\": 20}")
+    return name, int(value)
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -491,3 +491,29 @@ def unused_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
     return port
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ('q={"limit": 2,', "the options after '=' are not JSON"),
+    ('q={"limit": 0}', "queue 'q': the limit is a whole number >= 1"),
+    ('q={"global_limt": 3}', "unknown option(s) 'global_limt'"),
+])
+def test_worker_with_bad_json_queue_options_exits_2(db_url: str, spec: str,
+                                                     message: str) -> None:
+    done = run_worker_cli("--url", db_url, "--import", "tests.proc_jobs", "--queue", spec)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+
+
+def test_worker_takes_json_queue_options(spawn: Spawner, db_url: str) -> None:
+    proc = spawn._start("json", [
+        sys.executable, "-W", "error", "-m", "belay", "worker", "--url", db_url,
+        "--import", "tests.proc_jobs", "--queue",
+        '{}={{"limit": 3, "global_limit": 2, "partition": {{"input": "tenant"}}}}'.format(QUEUE),
+        "--node-id", "json",
+    ]).started()
+    found = proc.wait_for_log(r"started: queues (.*)", "the queues are logged")
+    assert "'global_limit': 2" in found.group(1)
+    assert "'partition': ['input', 'tenant']" in found.group(1)
+    proc.send(signal.SIGTERM)
+    assert proc.wait(15) == 0
