@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -43,6 +44,48 @@ from belay.registry import DEFAULT_REGISTRY, Registry
 from belay.workflow import Workflow, member_errors
 
 Conn = psycopg.Connection[Any]
+
+
+@dataclass(frozen=True)
+class Borrowed:
+    """A caller's connection, as a framework adapter hands it to belay.
+
+    ``conn`` is the psycopg connection underneath (its transaction is the
+    caller's). ``defer_notify``, when set, takes the wake-ups (channel and
+    payloads) to send when the caller commits, instead of ``pg_notify`` in the
+    transaction; it must drop them on rollback.
+    """
+
+    conn: Conn
+    defer_notify: Callable[[str, list[bytes]], None] | None = None
+
+
+#: ``conn=`` resolvers for framework objects (a Django connection, a SQLAlchemy
+#: Session…): each returns a Borrowed for the objects it knows, else None.
+_ADAPTERS: list[Callable[[Any], Borrowed | None]] = []
+
+
+def register_connection_adapter(adapter: Callable[[Any], Borrowed | None]) -> None:
+    """Let ``conn=`` take another kind of object (the Django and SQLAlchemy
+    adapters register theirs on import); idempotent."""
+    if adapter not in _ADAPTERS:
+        _ADAPTERS.append(adapter)
+
+
+def borrow(conn: Any) -> Borrowed:
+    """What a ``conn=`` argument stands for: a psycopg connection, or an object a
+    registered adapter knows."""
+    if isinstance(conn, psycopg.Connection):
+        return Borrowed(conn)
+    for adapter in _ADAPTERS:
+        borrowed = adapter(conn)
+        if borrowed is not None:
+            return borrowed
+    raise ValidationError(
+        f"conn= takes a psycopg 3 connection, got {type(conn).__name__}: for a Django "
+        "connection add 'belay_django' to INSTALLED_APPS, for a SQLAlchemy Session or "
+        "Connection import belay_sqlalchemy"
+    )
 CancelStatus = Literal["cancelled", "requested", "noop"]
 
 _SCHEMES = ("postgresql://", "postgres://")
@@ -80,6 +123,8 @@ class Belay:
     ``notify`` sends ``pg_notify`` wake-ups with enqueues and wakes (§9.2).
     ``registry`` (default: the one ``@belay.worker`` fills) gives a kind named
     by string its worker's defaults (queue, max_attempts, priority, unique).
+    ``connection_provider`` (for framework adapters) returns the connection
+    calls without ``conn=`` should use, or None for belay's own pool.
     """
 
     def __init__(
@@ -94,6 +139,7 @@ class Belay:
         application_name: str = "belay",
         registry: Registry | None = None,
         encryption_key: bytes | str | None = None,
+        connection_provider: Callable[[], Any] | None = None,
     ) -> None:
         self.conninfo = normalize_url(url)
         if min_pool_size < 0 or max_pool_size < max(1, min_pool_size):
@@ -115,6 +161,12 @@ class Belay:
         self._pool: ConnectionPool | None = None
         self._listener: ResultListener | None = None
         self._pid = os.getpid()
+        #: Calls without ``conn=`` run on what this returns (a framework's
+        #: connection of the current thread, so they join its transaction), or on
+        #: the pool when it returns None.
+        self.connection_provider = connection_provider
+        #: Per thread: the wake-up deferrers of the borrowed connections in use.
+        self._deferrers = threading.local()
 
     # -- Connections -------------------------------------------------------------
 
@@ -144,16 +196,31 @@ class Belay:
             return self._pool
 
     @contextmanager
-    def _acquire(self, conn: Conn | None) -> Iterator[Conn]:
+    def _acquire(self, conn: Any) -> Iterator[Conn]:
+        if conn is None and self.connection_provider is not None:
+            conn = self.connection_provider()
         if conn is None:
             with self._own_pool().connection() as own:
                 yield own
             return
-        if conn.info.transaction_status == TransactionStatus.INERROR:
+        borrowed = borrow(conn)
+        if borrowed.conn.info.transaction_status == TransactionStatus.INERROR:
             raise ValidationError(
                 "the connection's transaction has failed; roll it back before using belay on it"
             )
-        yield conn
+        stack = self._deferrer_stack()
+        stack.append(borrowed.defer_notify)
+        try:
+            yield borrowed.conn
+        finally:
+            stack.pop()
+
+    def _deferrer_stack(self) -> list[Callable[[str, list[bytes]], None] | None]:
+        stack: list[Callable[[str, list[bytes]], None] | None] | None = getattr(
+            self._deferrers, "stack", None)
+        if stack is None:
+            stack = self._deferrers.stack = []
+        return stack
 
     @contextmanager
     def connection(self, conn: Conn | None = None) -> Iterator[Conn]:
@@ -198,7 +265,14 @@ class Belay:
             return
         payloads = [store.poke_payload(q) for q in queues]
         payloads += [store.result_payload(i) for i in results]
-        store.notify(conn, self._channel_for(conn), payloads)
+        if not payloads:
+            return
+        stack = self._deferrer_stack()
+        defer = stack[-1] if stack else None
+        if defer is not None:
+            defer(self._channel_for(conn), payloads)
+        else:
+            store.notify(conn, self._channel_for(conn), payloads)
 
     def close(self) -> None:
         """Close the pool and stop the result listener; idempotent."""
