@@ -509,7 +509,7 @@ def test_worker_takes_json_queue_options(spawn: Spawner, db_url: str) -> None:
     proc = spawn._start("json", [
         sys.executable, "-W", "error", "-m", "belay", "worker", "--url", db_url,
         "--import", "tests.proc_jobs", "--queue",
-        '{}={{"limit": 3, "global_limit": 2, "partition": {{"input": "tenant"}}}}'.format(QUEUE),
+        f'{QUEUE}={{"limit": 3, "global_limit": 2, "partition": {{"input": "tenant"}}}}',
         "--node-id", "json",
     ]).started()
     found = proc.wait_for_log(r"started: queues (.*)", "the queues are logged")
