@@ -55,49 +55,13 @@ from belay.outcome import Outcome, decide, default_backoff, retry_or_fail, safe_
 from belay.queues import QueueSpec, adapt_limit, parse_queues
 from belay.queues import merge as merge_queues
 from belay.registry import DEFAULT_REGISTRY, Chunk, Registry
+from belay.retention import DEFAULT_SIGNAL_TTL, PRUNE_INTERVAL, keep_ok, parse_retention
+from belay.retention import prune as prune_once
 
 log = logging.getLogger("belay.worker")
 
 #: A job whose kind no worker here knows goes back this far into the future.
 UNKNOWN_KIND_SNOOZE = 60.0
-#: §8.7 defaults (seconds): succeeded jobs a day, failed and cancelled a week.
-DEFAULT_RETENTION: dict[str, float | None] = {
-    "succeeded": 86_400.0, "failed": 604_800.0, "cancelled": 604_800.0,
-}
-DEFAULT_SIGNAL_TTL = 7 * 86_400.0
-#: Retention runs at most this often, in batches of this many jobs, this many
-#: batches per state per pass (the rest waits for the next pass).
-PRUNE_INTERVAL = 60.0
-PRUNE_BATCH = 500
-PRUNE_BATCHES = 20
-#: The longest retention or signal TTL taken (a century: "now" minus it must
-#: still be a date); None keeps forever.
-MAX_KEEP = 100 * 365 * 86_400.0
-
-
-def _keep_ok(keep: object) -> bool:
-    """Seconds > 0 and at most MAX_KEEP (NaN and infinity are neither)."""
-    return (not isinstance(keep, bool) and isinstance(keep, (int, float))
-            and 0 < keep <= MAX_KEEP)
-
-
-def parse_retention(retention: Mapping[str, float | None] | None) -> dict[str, float | None]:
-    """Per terminal state: seconds to keep finished jobs, or None to keep them forever."""
-    merged = dict(DEFAULT_RETENTION)
-    for state, keep in (retention or {}).items():
-        if state not in DEFAULT_RETENTION:
-            raise ConfigurationError(
-                f"retention is per terminal state (succeeded, failed, cancelled), got {state!r}"
-            )
-        if keep is not None and not _keep_ok(keep):
-            raise ConfigurationError(
-                f"retention[{state!r}] is seconds > 0 (at most a century), or None to keep "
-                f"forever; got {keep!r}"
-            )
-        merged[state] = None if keep is None else float(keep)
-    return merged
-
-
 @dataclass(frozen=True)
 class JobEnd:
     """What a ``on_job_end`` hook receives once per finished execution."""
@@ -184,7 +148,7 @@ class Worker:
         if shutdown_grace < 0:
             raise ConfigurationError("shutdown_grace must be >= 0 seconds")
         self.retention = parse_retention(retention)
-        if signal_ttl is not None and not _keep_ok(signal_ttl):
+        if signal_ttl is not None and not keep_ok(signal_ttl):
             raise ConfigurationError(
                 "signal_ttl must be seconds > 0 (at most a century), or None to keep signals; "
                 f"got {signal_ttl!r}"
@@ -903,36 +867,14 @@ class Worker:
         non-terminal job; a workflow's members only once all of them are past
         their retention, children only once their parent is.
         Returns how many rows went, by kind."""
-        now = self._now()
-        counts: dict[str, int] = {}
         with self._connection() as conn:
-            cutoffs = {state: None if keep is None else now - timedelta(seconds=keep)
-                       for state, keep in self.retention.items()}
-            for state, cutoff in cutoffs.items():
-                if cutoff is None:
-                    continue
-                total = 0
-                for _ in range(PRUNE_BATCHES):
-                    deleted = store.prune_jobs(conn, state, cutoffs, PRUNE_BATCH)
-                    total += deleted
-                    if deleted < PRUNE_BATCH:
-                        break
-                counts[state] = total
-            if self.signal_ttl is not None:
-                counts["signals"] = store.prune_signals(
-                    conn, now - timedelta(seconds=self.signal_ttl))
-            # A day, as §8.7 says — or two of this node's longest period, which
-            # its rate math still reads (the previous window).
             # Not started: the static queues with the belay_queues rows over them,
             # as drain() serves them.
             specs = self.live_queues() or self._effective_specs(conn)
-            periods = [s.rate.period for s in specs.values() if s.rate is not None]
-            horizon = max([86_400, *(2 * p for p in periods)])
-            counts["rate_windows"] = store.prune_rate(conn, int(now.timestamp()) - horizon)
-        pruned = {k: v for k, v in counts.items() if v}
-        if pruned:
-            log.info("belay: pruned %s", pruned)
-        return counts
+            return prune_once(
+                conn, self._now(), self.retention, self.signal_ttl,
+                [s.rate.period for s in specs.values() if s.rate is not None],
+            )
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:

@@ -27,8 +27,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import belay
-from belay import runner, store
-from belay.runner import DEFAULT_RETENTION, DEFAULT_SIGNAL_TTL, parse_retention
+from belay import retention, store
+from belay.retention import DEFAULT_RETENTION, DEFAULT_SIGNAL_TTL, parse_retention
 from tests.helpers import START, Conn, insert_job, running_job, wait_until
 
 DAY = 86_400
@@ -97,8 +97,8 @@ def no_jobs(**extra: int) -> dict[str, int]:
 @pytest.fixture
 def small_batches(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, int], None]:
     def set_batches(size: int, per_pass: int) -> None:
-        monkeypatch.setattr(runner, "PRUNE_BATCH", size)
-        monkeypatch.setattr(runner, "PRUNE_BATCHES", per_pass)
+        monkeypatch.setattr(retention, "PRUNE_BATCH", size)
+        monkeypatch.setattr(retention, "PRUNE_BATCHES", per_pass)
     return set_batches
 
 
@@ -321,8 +321,8 @@ def test_a_pass_deletes_batch_after_batch_oldest_first_up_to_its_cap(client, sql
 
 
 def test_a_pass_with_the_default_batches_empties_more_than_one_batch(client, sql_conn) -> None:
-    n = 2 * runner.PRUNE_BATCH + 7
-    assert n < runner.PRUNE_BATCH * runner.PRUNE_BATCHES
+    n = 2 * retention.PRUNE_BATCH + 7
+    assert n < retention.PRUNE_BATCH * retention.PRUNE_BATCHES
     sql_conn.execute(
         "INSERT INTO belay_jobs (kind, queue, state, inserted_at, finished_at) "
         "SELECT 'test.kind', 'default', 'succeeded', %(at)s, %(at)s FROM generate_series(1, %(n)s)",
