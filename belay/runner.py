@@ -172,6 +172,14 @@ class Worker:
         # leaderlessly from whichever nodes are up (§8.5).
         self.cron = CronScheduler(self.client, list(crons), registry=self.registry,
                                   interval=cron_interval, notify=notify)
+        kept = [keep for keep in self.retention.values() if keep is not None]
+        for entry in self.cron.entries:
+            if kept and entry.catch_up > min(kept):
+                # A slot whose job retention already pruned would fire again.
+                raise ConfigurationError(
+                    f"cron {entry.name!r}: catch_up ({entry.catch_up:g} s) is longer than the "
+                    f"shortest retention ({min(kept):g} s); shorten catch_up or keep jobs longer"
+                )
         self._hooks: list[Callable[[JobEnd], None]] = []
         # Reentrant: start() applies the first queue set while holding it.
         self._lock = threading.RLock()

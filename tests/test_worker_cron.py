@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+import pytest
+
 import belay
 from tests.helpers import START, wait_until
 
@@ -73,3 +75,14 @@ def test_a_dynamic_cron_fires_on_a_worker_without_static_crons(client, clock, sq
                    "the dynamic cron's slot ran")
     assert not worker.cron.running
     assert not any(t.name == "belay-cron" for t in threading.enumerate())
+
+
+def test_catch_up_longer_than_retention_is_refused(client) -> None:
+    crons = [{"name": "hourly", "expression": "@hourly", "worker": "t.x", "catch_up": 7_200}]
+    with pytest.raises(belay.ConfigurationError, match="shortest retention"):
+        belay.Worker({"default": 1}, client=client, crons=crons,
+                     retention={"succeeded": 3_600})
+    # Within retention, or with every state kept forever, it's fine.
+    belay.Worker({"default": 1}, client=client, crons=crons)
+    belay.Worker({"default": 1}, client=client, crons=crons,
+                 retention={"succeeded": None, "failed": None, "cancelled": None})
