@@ -202,22 +202,26 @@ def enqueue(
     partition_key: str | None = None,
     encrypt: bool | None = None,
     conn: Conn | None = None,
+    session: Any = None,
 ) -> Job:
     return default().enqueue(
         kind, input, queue=queue, priority=priority, delay=delay, run_at=run_at,
         max_attempts=max_attempts, unique=unique, budget=budget, meta=meta,
-        partition_key=partition_key, encrypt=encrypt, conn=conn,
+        partition_key=partition_key, encrypt=encrypt, conn=conn, session=session,
     )
 
 
 def enqueue_many(
-    jobs: Iterable[JobSpec | Mapping[str, Any]], *, conn: Conn | None = None
+    jobs: Iterable[JobSpec | Mapping[str, Any]], *, conn: Conn | None = None,
+    session: Any = None,
 ) -> list[Job]:
-    return default().enqueue_many(jobs, conn=conn)
+    return default().enqueue_many(jobs, conn=conn, session=session)
 
 
-def enqueue_workflow(workflow: Workflow, *, conn: Conn | None = None) -> dict[str, Job]:
-    return default().enqueue_workflow(workflow, conn=conn)
+def enqueue_workflow(
+    workflow: Workflow, *, conn: Conn | None = None, session: Any = None
+) -> dict[str, Job]:
+    return default().enqueue_workflow(workflow, conn=conn, session=session)
 
 
 def get_job(job_id: int, *, conn: Conn | None = None) -> Job | None:

@@ -326,21 +326,25 @@ class Belay:
         partition_key: str | None = None,
         encrypt: bool | None = None,
         conn: Conn | None = None,
+        session: Any = None,
     ) -> Job:
         """Insert one job; with a ``unique`` key already held, return the holder
         flagged ``duplicate=True`` instead (§5.2). ``encrypt=True`` stores the
-        input AES-256-GCM-encrypted with the client's ``encryption_key``."""
+        input AES-256-GCM-encrypted with the client's ``encryption_key``.
+        ``session=`` is another name for ``conn=`` (a framework's session)."""
         spec = JobSpec(kind, input, queue, priority, delay, run_at, max_attempts, unique,
                        budget, meta, partition_key, encrypt)
-        return self.enqueue_many([spec], conn=conn)[0]
+        return self.enqueue_many([spec], conn=_conn_or_session(conn, session))[0]
 
     def enqueue_many(
-        self, jobs: Iterable[JobSpec | Mapping[str, Any]], *, conn: Conn | None = None
+        self, jobs: Iterable[JobSpec | Mapping[str, Any]], *, conn: Conn | None = None,
+        session: Any = None,
     ) -> list[Job]:
         """Insert many jobs in one statement. Returns one Job per request, in
         order: the inserted row, or the holder of its unique key with
         ``duplicate=True``. Every request is validated before anything is written.
         """
+        conn = _conn_or_session(conn, session)
         now = self.clock.now()
         rows = [self._build(spec_from(item), now) for item in jobs]
         if not rows:
@@ -351,7 +355,7 @@ class Belay:
         return results
 
     def enqueue_workflow(
-        self, workflow: Workflow, *, conn: Conn | None = None
+        self, workflow: Workflow, *, conn: Conn | None = None, session: Any = None
     ) -> dict[str, Job]:
         """Insert a :class:`belay.Workflow`'s members in one transaction (§8.3):
         members with deps ``held``, the others ``ready``. Returns the jobs by
@@ -362,6 +366,7 @@ class Belay:
         ``workflow_id`` used before), they are returned with ``duplicate=True``
         and nothing is inserted.
         """
+        conn = _conn_or_session(conn, session)
         now = self.clock.now()
         rows: dict[str, Row] = {}
         for name, spec in workflow.specs():
@@ -765,6 +770,19 @@ def _bounded(interval: float, deadline: float | None) -> float | None:
         return interval
     remaining = deadline - time.monotonic()
     return None if remaining <= 0 else min(interval, remaining)
+
+
+def _conn_or_session(conn: Any, session: Any) -> Any:
+    """``session=`` names the caller's transaction as ``conn=`` does (a SQLAlchemy
+    Session reads better that way); one of the two, not both."""
+    if session is None:
+        return conn
+    if conn is not None:
+        raise ValidationError(
+            "pass conn= or session=, not both: they name the same thing, the "
+            "transaction to join"
+        )
+    return session
 
 
 def _job_id(job_id: Any, *, what: str = "a job id") -> int:

@@ -83,12 +83,14 @@ def check(conn: psycopg.Connection[Any]) -> SchemaStatus:
     return status
 
 
-def migrate(conn: psycopg.Connection[Any]) -> list[int]:
+def migrate(conn: psycopg.Connection[Any], target: int | None = None) -> list[int]:
     """Apply pending migrations in one transaction; returns the revisions applied.
 
-    Safe when several processes migrate at once: an advisory lock serializes
-    them and the revision is read under it, so the second one finds nothing
-    to do. Refuses a database of a newer contract major.
+    ``target`` stops at that revision (the Django adapter applies one revision
+    per Django migration); None applies all. Safe when several processes
+    migrate at once: an advisory lock serializes them and the revision is read
+    under it, so the second one finds nothing to do. Refuses a database of a
+    newer contract major.
     """
     applied: list[int] = []
     with conn.transaction(), conn.cursor() as cur:
@@ -102,6 +104,8 @@ def migrate(conn: psycopg.Connection[Any]) -> list[int]:
         for migration in migrations():
             if migration.revision <= status.revision:
                 continue
+            if target is not None and migration.revision > target:
+                break
             cur.execute(migration.sql)
             cur.execute(QUERIES["meta_record"], (migration.revision,))
             applied.append(migration.revision)

@@ -17,7 +17,7 @@ def test_doc_page_code_runs(page, empty_db_url, monkeypatch, restore_default):
     monkeypatch.setenv("BELAY_DATABASE_URL", empty_db_url)
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
     for number, block in enumerate(BLOCK.findall(page.read_text()), 1):
-        code = compile(block, f"{page.name} block {number}", "exec")
+        code = compile(block, f"{page.name} block {number}", "exec", dont_inherit=True)
         exec(code, namespace)
 
 
