@@ -34,13 +34,18 @@ def sa_url(db_url: str, drivername: str = "postgresql+psycopg") -> URL:
     """The SQLAlchemy URL of a libpq URL or key=value string."""
     params = psycopg.conninfo.conninfo_to_dict(db_url)
     port = params.get("port")
+    host = params.get("host")
+    # A unix-socket directory (the embedded server's) goes in the query: as the
+    # URL's host it would not survive rendering and parsing back.
+    socket_dir = host is not None and str(host).startswith("/")
     return URL.create(
         drivername,
         username=params.get("user"),
         password=params.get("password"),
-        host=params.get("host"),
+        host=None if socket_dir else host,
         port=int(port) if port else None,
         database=params.get("dbname"),
+        query={"host": str(host)} if socket_dir else {},
     )
 
 
