@@ -29,13 +29,17 @@ def _docker_answers() -> bool:
         import docker
     except ImportError:
         return False
+    client = None
     try:
         client = docker.from_env(timeout=3)
         client.ping()
-        client.close()
         return True
     except Exception:
         return False
+    finally:
+        # Closed either way: an unclosed socket is a ResourceWarning (an error under -W error).
+        if client is not None:
+            client.close()
 
 
 @contextlib.contextmanager

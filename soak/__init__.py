@@ -1,0 +1,1 @@
+"""The chaos soak: ``python -m soak --duration 180`` (see soak/README.md)."""

@@ -1,0 +1,162 @@
+"""The eight soak worker kinds, written against belay's public API only.
+
+Every step body (and every job-level side effect) first records a row in
+``soak_effects`` through its own autocommit connection, so the at-least-once
+window — effect done, step not yet journaled, worker killed — shows up in the
+database instead of vanishing. Results carry the attempt that produced them,
+so the checker can tell a late (stale) ack from the last claimed attempt's.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+
+import belay
+
+REGISTRY = belay.Registry()
+
+#: Set by soak.worker: this process's tag and database URL.
+TAG = "?"
+URL = ""
+
+BUDGET_USD = 0.5
+STEP_USD = 0.2
+BUDGET_STEPS = 5
+#: With five $0.20 steps against $0.50, the third crosses the cap.
+BUDGET_ALLOWED = 3
+
+_local = threading.local()
+
+
+def _conn() -> psycopg.Connection[Any]:
+    conn: psycopg.Connection[Any] | None = getattr(_local, "conn", None)
+    if conn is None or conn.closed or conn.broken:
+        conn = psycopg.connect(URL, autocommit=True, connect_timeout=5,
+                               application_name=f"soak-effects-{TAG}")
+        _local.conn = conn
+    return conn
+
+
+def effect(ctx: belay.Context, step: str) -> None:
+    """Record one execution of ``step`` by this attempt; raises if the database is away
+    (then the step fails and the job retries — the effect simply did not happen)."""
+    try:
+        _conn().execute(
+            "INSERT INTO soak_effects (job_id, step, attempt, tag, at) VALUES (%s, %s, %s, %s, %s)",
+            (ctx.id, step, ctx.attempt, TAG, datetime.now(timezone.utc)),
+        )
+    except psycopg.Error:
+        conn = getattr(_local, "conn", None)
+        _local.conn = None
+        if conn is not None:
+            conn.close()
+        raise
+
+
+def _nap(low: float, high: float) -> None:
+    time.sleep(random.uniform(low, high))
+
+
+def _backoff(attempt: int) -> float:
+    return 0.2
+
+
+@belay.worker(name="soak.step", queue="default", max_attempts=25, backoff=_backoff,
+              registry=REGISTRY)
+def step_kind(ctx: belay.Context) -> dict[str, Any]:
+    """k memoized steps s1..sk returning n+i; raises after them on attempts <= f.
+    Expected result: n*k + k*(k+1)/2."""
+    n, k, planned = ctx.input["n"], ctx.input["k"], ctx.input.get("f", 0)
+    total = 0
+    for i in range(1, k + 1):
+        def body(i: int = i) -> int:
+            effect(ctx, f"s{i}")
+            _nap(0.005, 0.04)
+            return int(n + i)
+
+        total += ctx.step(f"s{i}", body)
+    if ctx.attempt <= planned:
+        raise RuntimeError(f"planned failure on attempt {ctx.attempt}")
+    # A long run without the database: behind a cut proxy, this attempt becomes a
+    # zombie whose lease lapses while it runs, and whose late ack the fence rejects.
+    time.sleep(float(ctx.input.get("nap", 0)))
+    return {"value": total, "attempt": ctx.attempt}
+
+
+@belay.worker(name="soak.child", queue="children", max_attempts=25, backoff=_backoff,
+              registry=REGISTRY)
+def child_kind(ctx: belay.Context) -> int:
+    effect(ctx, "child")
+    _nap(0.005, 0.03)
+    return int(ctx.input["v"]) * 2
+
+
+@belay.worker(name="soak.parent", queue="default", max_attempts=25, backoff=_backoff,
+              registry=REGISTRY)
+def parent_kind(ctx: belay.Context) -> dict[str, Any]:
+    """Fan out one child per v, fan in: sorted(v*2 for v in vs)."""
+    kids = ctx.map_children("fan", child_kind, [{"v": v} for v in ctx.input["vs"]])
+    return {"value": sorted(kid.result for kid in kids), "attempt": ctx.attempt}
+
+
+@belay.worker(name="soak.flow", queue="flow", max_attempts=25, backoff=_backoff,
+              registry=REGISTRY)
+def flow_kind(ctx: belay.Context) -> dict[str, Any]:
+    """A workflow member: records its member name; ``fail`` makes it fail for good."""
+    effect(ctx, ctx.job.wf_name or "?")
+    _nap(0.005, 0.03)
+    if ctx.input.get("fail"):
+        raise belay.Cancel("planned doom") if ctx.input["fail"] == "cancel" else RuntimeError(
+            "planned failure")
+    return {"attempt": ctx.attempt}
+
+
+@belay.worker(name="soak.awaiter", queue="default", max_attempts=50, backoff=_backoff,
+              registry=REGISTRY)
+def awaiter_kind(ctx: belay.Context) -> dict[str, Any]:
+    def pre() -> int:
+        effect(ctx, "pre")
+        return 1
+
+    got = ctx.step("pre", pre)
+    payload = ctx.await_signal("go")
+    return {"value": {"w": payload["w"], "pre": got}, "attempt": ctx.attempt}
+
+
+@belay.worker(name="soak.budget", queue="default", max_attempts=10, backoff=_backoff,
+              registry=REGISTRY)
+def budget_kind(ctx: belay.Context) -> dict[str, Any]:
+    """Five $0.20 steps against a $0.50 budget: must fail after exactly three."""
+    for i in range(1, BUDGET_STEPS + 1):
+        def body(i: int = i) -> int:
+            effect(ctx, f"b{i}")
+            _nap(0.005, 0.03)
+            return i
+
+        ctx.step(f"b{i}", body, cost=belay.Cost(usd=STEP_USD))
+    return {"attempt": ctx.attempt}
+
+
+@belay.worker(name="soak.unique", queue="default", max_attempts=25, backoff=_backoff,
+              registry=REGISTRY)
+def unique_kind(ctx: belay.Context) -> dict[str, Any]:
+    effect(ctx, "uni")
+    _nap(0.05, 0.3)  # hold the key a while: bursts must find a live holder
+    return {"attempt": ctx.attempt}
+
+
+@belay.worker(name="soak.cron", queue="default", max_attempts=25, backoff=_backoff,
+              registry=REGISTRY)
+def cron_kind(ctx: belay.Context) -> dict[str, Any]:
+    effect(ctx, "cron")
+    return {"attempt": ctx.attempt}
+
+
+CRONS = [{"name": "soak-cron", "expression": "* * * * *", "worker": cron_kind,
+          "catch_up": 600}]

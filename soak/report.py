@@ -1,0 +1,92 @@
+"""The soak report (Markdown)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from datetime import datetime
+from typing import Any
+
+from soak.check import Invariant, Snapshot, duplicate_allowance, duplicated_steps
+
+
+def render(snap: Snapshot, results: list[Invariant], *, opts: Any, started: datetime,
+           elapsed: float, waves: int, bursts: int, quiesced: bool, quiesce_s: float,
+           events: list[str], seed: int | None) -> str:
+    failed = [r for r in results if not r.ok]
+    verdict = "**PASS**" if not failed else f"**FAIL** ({len(failed)} invariant(s))"
+    chaos = snap.chaos
+    jobs = {job["id"]: job for job in snap.jobs}
+    states = Counter(job["state"] for job in snap.jobs)
+    by_kind = Counter(job["kind"] for job in snap.jobs)
+    ledger = Counter(row["kind"] for row in snap.ledger)
+    effects: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for row in snap.effects:
+        effects[row["job_id"]].append(row)
+    dups = duplicated_steps(jobs, effects)
+    step_execs = sum(len(rows) for job_id, rows in effects.items()
+                     if jobs.get(job_id, {}).get("kind") in ("soak.step", "soak.budget",
+                                                              "soak.awaiter"))
+    distinct = step_execs - dups
+    reruns = sum(len(rows) - 1 for job_id, rows in effects.items()
+                 if jobs.get(job_id, {}).get("kind") not in ("soak.step", "soak.budget",
+                                                              "soak.awaiter"))
+    outcomes = Counter(row["outcome"] for row in snap.acks)
+    attempts = sum(job["attempt"] for job in snap.jobs)
+    cron = sum(1 for job in snap.jobs if job["cron_name"] is not None)
+    restart = (f"every {opts.db_restart_every:g} s" if opts.db_restart_every
+               else "at the 1/3 and 2/3 marks")
+    lines = [
+        f"# Soak report — {started:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"`python -m soak --duration {opts.duration:g} --workers {opts.workers}"
+        + (f" --db-restart-every {opts.db_restart_every:g}" if opts.db_restart_every else "")
+        + f" --seed {seed}`: {opts.duration / 60:.1f} min of workload under chaos "
+        f"({elapsed / 60:.1f} min in all), {opts.workers} worker processes (one behind the "
+        f"cuttable proxy), `kill -9` about every {opts.kill_every:g} s, PostgreSQL "
+        f"crash-restarted {restart}, the proxied worker cut off about every "
+        f"{opts.cut_every:g} s for longer than its lease.",
+        "",
+        f"## Verdict: {verdict}",
+        "",
+        "## Load",
+        f"- Workload waves: {waves}; unique bursts: {bursts}",
+        f"- Jobs: {len(snap.jobs)} ({cron} from cron) — by kind: "
+        + ", ".join(f"{k}={n}" for k, n in sorted(by_kind.items())),
+        "- Ledgered by the driver: " + ", ".join(f"{k}={n}" for k, n in sorted(ledger.items())),
+        "- Final states: " + ", ".join(f"{k}={n}" for k, n in sorted(states.items())),
+        f"- Attempts claimed: {attempts}; quiesced: {'yes' if quiesced else 'NO'} "
+        f"({quiesce_s:.0f} s after the chaos stopped)",
+        "",
+        "## Chaos",
+        f"- Worker kills (`kill -9`): {chaos.get('kills', 0)}",
+        f"- PostgreSQL crash-restarts (immediate stop): {chaos.get('db_restarts', 0)}",
+        f"- Proxy cuts (connections dropped and refused for lease + 1.5 to 3 s): "
+        f"{chaos.get('proxy_cuts', 0)}",
+        f"- Worker processes that died by themselves: {chaos.get('unexpected_exits', 0)}",
+        "",
+        "## At-least-once accounting",
+        f"- Memoized step bodies executed: {step_execs} for {distinct} distinct steps; "
+        f"duplicated executions: {dups} (allowance {duplicate_allowance(chaos)}: each kill "
+        "or cut can interrupt a worker's slots, each restart every worker's)",
+        f"- Job-level side effects re-run by retried attempts (children, workflow members, "
+        f"unique, cron): {reruns}",
+        "- Outcomes the workers reported: "
+        + ", ".join(f"{k}={n}" for k, n in sorted(outcomes.items())),
+        f"- Acks the workers discarded as stale (rejected by the fence, or given up while "
+        f"the database was unreachable — the lease then lapses and the job is reclaimed): "
+        f"{outcomes.get('stale', 0)}; executions that noticed their lease was lost: "
+        f"{outcomes.get('lost', 0)}",
+        "",
+        "## Invariants (contract §11)",
+    ]
+    for result in results:
+        mark = "✓" if result.ok else "✗"
+        lines.append(f"- {mark} **{result.name}** ({result.clause}): {result.what}")
+        if not result.ok:
+            shown = ", ".join(str(o) for o in result.offenders[:20])
+            more = f" (+{len(result.offenders) - 20} more)" if len(result.offenders) > 20 else ""
+            lines.append(f"  - offending jobs: {shown}{more}")
+            lines += [f"  - {note}" for note in result.notes[:8]]
+    lines += ["", "## Chaos log (first 40 events)", ""]
+    lines += [f"    {event}" for event in events[:40]] or ["    (none)"]
+    return "\n".join(lines) + "\n"

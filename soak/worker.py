@@ -1,0 +1,147 @@
+"""One soak worker process: ``python -m soak.worker URL TAG [--no-cron]``.
+
+Runs the soak kinds (soak.kinds) on a ``belay.Worker`` with a short lease and
+frequent sweeps, and records every execution's outcome as belay reports it
+(``on_job_end``) in ``soak_acks`` — how the checker sees which acks applied.
+
+``SOAK_BREAK`` (tests only) breaks one engine rule on purpose, from this
+process, by monkeypatching belay — never in belay's own code:
+
+- ``budget``: skip the budget checks (the pre-flight and the post-step check);
+- ``fence``: acks ignore the fence (state='running' AND attempt=claimed): a
+  stale attempt's ack overwrites the row;
+- ``steps``: a step never finds its journal entry, so every attempt re-runs
+  and re-journals every step (memoization off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+
+import belay
+from soak import kinds
+
+LEASE_TTL = 2.0
+SWEEP_INTERVAL = 1.0
+QUEUES = {"default": 8, "children": 4, "flow": 4}
+
+log = logging.getLogger("soak.worker")
+
+
+def apply_break(rules: str) -> None:
+    """Break each comma-separated rule in this process (see the module docstring)."""
+    for rule in filter(None, (r.strip() for r in rules.split(","))):
+        _break(rule)
+
+
+def _break(rule: str) -> None:
+    if rule == "budget":
+        from belay.context import Context
+
+        def no_budget(self: Context, spend: Any, name: str) -> None:
+            return None
+
+        Context._check_budget = no_budget  # type: ignore[method-assign]
+    elif rule == "fence":
+        from belay import store
+
+        real_ack = store.ack
+
+        def unfenced_ack(conn: Any, job: Any, kind: str, now: Any, **kw: Any) -> Any:
+            # WHERE id = $id only: whatever attempt the row is on, and whether it
+            # runs or waits for its retry, this ack lands.
+            found = conn.execute("SELECT attempt FROM belay_jobs WHERE id = %s AND state NOT IN "
+                                 "('succeeded', 'failed', 'cancelled')", (job.id,)).fetchone()
+            if found is None:
+                return real_ack(conn, job, kind, now, **kw)
+            conn.execute("UPDATE belay_jobs SET state = 'running' WHERE id = %s", (job.id,))
+            return real_ack(conn, job.replace(attempt=found[0]), kind, now, **kw)
+
+        store.ack = unfenced_ack
+    elif rule == "steps":
+        from belay import store
+
+        real_lookup = store.step_lookup
+
+        def forgetful(conn: Any, job_id: int, name: str) -> Any:
+            found = real_lookup(conn, job_id, name)
+            if found is not None and found["hit"]:
+                found = dict(found, hit=False)
+            return found
+
+        store.step_lookup = forgetful
+    else:
+        raise SystemExit(f"SOAK_BREAK={rule!r}: expected budget, fence or steps")
+
+
+class AckRecorder:
+    """Writes each JobEnd to soak_acks; best effort (the database may be away)."""
+
+    def __init__(self, url: str, tag: str) -> None:
+        self.url, self.tag = url, tag
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def __call__(self, end: belay.JobEnd) -> None:
+        row = (end.job.id, end.job.attempt, end.outcome, self.tag, datetime.now(timezone.utc))
+        with self._lock:
+            for _ in range(3):
+                try:
+                    if self._conn is None or self._conn.closed or self._conn.broken:
+                        self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+                    self._conn.execute("INSERT INTO soak_acks (job_id, attempt, outcome, tag, at)"
+                                       " VALUES (%s, %s, %s, %s, %s)", row)
+                    return
+                except psycopg.Error:
+                    self._conn = None
+                    time.sleep(0.3)
+        log.warning("could not record outcome %s of job %d attempt %d", end.outcome,
+                    end.job.id, end.job.attempt)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m soak.worker")
+    parser.add_argument("url")
+    parser.add_argument("tag")
+    parser.add_argument("--no-cron", action="store_true", help="run no cron entries")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s {args.tag} %(name)s %(levelname)s %(message)s")
+    apply_break(os.environ.get("SOAK_BREAK", ""))
+    kinds.TAG, kinds.URL = args.tag, args.url
+    client = belay.Belay(args.url, max_pool_size=24, application_name=f"soak-{args.tag}")
+    worker = belay.Worker(
+        QUEUES, client=client, registry=kinds.REGISTRY, lease_ttl=LEASE_TTL,
+        sweep_interval=SWEEP_INTERVAL, poll_interval=0.3, notify=True, shutdown_grace=3.0,
+        queue_sync_interval=5.0, crons=[] if args.no_cron else kinds.CRONS, cron_interval=5.0,
+        retention={"succeeded": None, "failed": None, "cancelled": None}, signal_ttl=None,
+        node_id=f"soak-{args.tag}-{os.getpid()}",
+    )
+    worker.on_job_end(AckRecorder(args.url, args.tag))
+    # The database (or the proxy in front of it) may be down right now: keep trying.
+    while True:
+        try:
+            worker.run()
+            return
+        except (psycopg.OperationalError, belay.BelayError) as exc:
+            log.warning("worker start failed (%s); retrying", exc)
+            time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    main()
