@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -199,3 +200,31 @@ def from_expected(spec: Any) -> Any:
         assert len(result) == len(body), "fixture map keys collide in Python"
         return result
     raise AssertionError(f"unknown expected tag {tag!r}")
+
+
+# -- worker runs -------------------------------------------------------------------------
+
+
+class Ends:
+    """Collects ``on_job_end`` events; ``wait_for(n)`` blocks until n arrived."""
+
+    def __init__(self, *workers: Any) -> None:
+        self.events: list[Any] = []
+        self._cond = threading.Condition()
+        for worker in workers:
+            worker.on_job_end(self)
+
+    def __call__(self, event: Any) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 15.0) -> list[Any]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.events) >= n, timeout):
+                raise AssertionError(f"{len(self.events)} of {n} jobs ended in {timeout}s")
+            return list(self.events)
+
+    def outcomes(self) -> dict[int, str]:
+        with self._cond:
+            return {e.job.id: e.outcome for e in self.events}

@@ -33,8 +33,7 @@ from hypothesis import strategies as st
 
 import belay
 from belay.registry import Chunk, parse_chunk
-from belay.runner import JobEnd
-from tests.helpers import START, Conn, job_row, wait_until
+from tests.helpers import START, Conn, Ends, job_row, wait_until
 
 # -- helpers -------------------------------------------------------------------------------
 
@@ -61,26 +60,6 @@ class Calls:
     def jobs(self) -> Counter[int]:
         """How many calls each job was in."""
         return Counter(job_id for call in self.calls for job_id in call)
-
-
-class Ends:
-    """Collects ``on_job_end`` events; ``wait_for(n)`` blocks until n arrived."""
-
-    def __init__(self, worker: belay.Worker) -> None:
-        self.events: list[JobEnd] = []
-        self._cond = threading.Condition()
-        worker.on_job_end(self)
-
-    def __call__(self, event: JobEnd) -> None:
-        with self._cond:
-            self.events.append(event)
-            self._cond.notify_all()
-
-    def wait_for(self, n: int, timeout: float = 15.0) -> list[JobEnd]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: len(self.events) >= n, timeout):
-                raise AssertionError(f"{len(self.events)} of {n} jobs ended in {timeout}s")
-            return list(self.events)
 
 
 def make_worker(client: belay.Belay, registry: belay.Registry, queues: Any = ("default",),

@@ -37,6 +37,7 @@ from belay.sql import QUERIES
 from tests.helpers import (
     START,
     Conn,
+    Ends,
     awaiting_own_scope,
     insert_job,
     job_row,
@@ -89,31 +90,6 @@ def reclaim(
     return make_worker(
         client, registry or belay.Registry(), ("nothing-here",), **options
     ).reclaim()
-
-
-class Ends:
-    """Collects ``on_job_end`` events; ``wait_for(n)`` blocks until n arrived."""
-
-    def __init__(self, *workers: belay.Worker) -> None:
-        self.events: list[JobEnd] = []
-        self._cond = threading.Condition()
-        for worker in workers:
-            worker.on_job_end(self)
-
-    def __call__(self, event: JobEnd) -> None:
-        with self._cond:
-            self.events.append(event)
-            self._cond.notify_all()
-
-    def wait_for(self, n: int, timeout: float = 15.0) -> list[JobEnd]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: len(self.events) >= n, timeout):
-                raise AssertionError(f"{len(self.events)} of {n} jobs ended in {timeout}s")
-            return list(self.events)
-
-    def outcomes(self) -> dict[int, str]:
-        with self._cond:
-            return {e.job.id: e.outcome for e in self.events}
 
 
 def alive_worker_threads() -> list[str]:
