@@ -536,3 +536,23 @@ def test_two_workers_pruning_at_once_delete_each_job_exactly_once(sql_conn, othe
     assert {state: sum(c[state] for c in deleted) for state in TERMINAL} == {
         state: n // 3 for state in TERMINAL}
     assert_kept_with_history(sql_conn, set())
+
+
+def test_a_member_kept_forever_or_live_with_a_stale_finished_at_keeps_its_workflow(
+    client, sql_conn
+) -> None:
+    """The "still needed" check is null-safe: a sibling whose state is kept
+    forever (retention None) or isn't terminal at all (even with a finished_at
+    left over) keeps the whole workflow, and a parent kept forever its children."""
+    old = ago(WEEK + 1)
+    forever_a = finished(sql_conn, "succeeded", old, workflow_id="wf-forever", wf_name="a")
+    forever_b = finished(sql_conn, "failed", old, workflow_id="wf-forever", wf_name="b")
+    live_a = finished(sql_conn, "succeeded", old, workflow_id="wf-live", wf_name="a")
+    live_b = insert_job(sql_conn, state="ready", finished_at=old, workflow_id="wf-live",
+                        wf_name="b")
+    parent = finished(sql_conn, "failed", old)
+    child = finished(sql_conn, "succeeded", old, parent_id=parent)
+    worker = make_worker(client, retention={"failed": None})
+    nothing = {k: v for k, v in no_jobs().items() if k != "failed"}  # failed: not pruned at all
+    assert worker.prune() == nothing
+    assert jobs(sql_conn) == {forever_a, forever_b, live_a, live_b, parent, child}

@@ -85,30 +85,27 @@ SELECT COALESCE((opts ->> 'paused')::boolean, false) FROM belay_queues WHERE nam
 
 -- name: prune_jobs
 -- §8.7 retention: one batch of a terminal state's jobs finished before its
--- cutoff, deleted with their steps and events in one statement. A job is
--- "expired" when it is terminal and finished before its own state's cutoff
--- (a NULL cutoff: kept forever). Workflow members go only once every member
--- of the workflow expired (settlement and an operator's retry read the
--- members' states), children only once their parent expired too (a retried
--- parent re-reads its children, and a pruned always-unique spawn key would
--- let a child be spawned again).
-WITH doomed AS (
+-- cutoff, deleted with their steps and events in one statement. A job has
+-- "expired" when it finished before its own state's cutoff (a NULL cutoff:
+-- kept forever; a non-terminal job never expires). Workflow members go only
+-- once every member of the workflow expired (settlement and an operator's
+-- retry read the members' states), children only once their parent expired
+-- too (a retried parent re-reads its children, and a pruned always-unique
+-- spawn key would let a child be spawned again).
+WITH cutoff (state, before) AS (
+  VALUES ('succeeded', %(succeeded)s::timestamptz), ('failed', %(failed)s::timestamptz),
+         ('cancelled', %(cancelled)s::timestamptz)
+), doomed AS (
   SELECT j.id FROM belay_jobs AS j
   WHERE j.state = %(state)s AND j.finished_at IS NOT NULL AND j.finished_at < %(cutoff)s
     AND (j.workflow_id IS NULL OR NOT EXISTS (
-      SELECT 1 FROM belay_jobs AS w
+      SELECT 1 FROM belay_jobs AS w LEFT JOIN cutoff AS c ON c.state = w.state
       WHERE w.workflow_id = j.workflow_id
-        AND NOT (w.finished_at IS NOT NULL AND w.finished_at < CASE w.state
-          WHEN 'succeeded' THEN %(succeeded)s::timestamptz
-          WHEN 'failed' THEN %(failed)s::timestamptz
-          WHEN 'cancelled' THEN %(cancelled)s::timestamptz END)))
+        AND (c.before IS NULL OR w.finished_at IS NULL OR w.finished_at >= c.before)))
     AND (j.parent_id IS NULL OR NOT EXISTS (
-      SELECT 1 FROM belay_jobs AS p
+      SELECT 1 FROM belay_jobs AS p LEFT JOIN cutoff AS c ON c.state = p.state
       WHERE p.id = j.parent_id
-        AND NOT (p.finished_at IS NOT NULL AND p.finished_at < CASE p.state
-          WHEN 'succeeded' THEN %(succeeded)s::timestamptz
-          WHEN 'failed' THEN %(failed)s::timestamptz
-          WHEN 'cancelled' THEN %(cancelled)s::timestamptz END)))
+        AND (c.before IS NULL OR p.finished_at IS NULL OR p.finished_at >= c.before)))
   ORDER BY j.finished_at
   LIMIT %(limit)s
   FOR UPDATE OF j SKIP LOCKED
