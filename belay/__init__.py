@@ -122,6 +122,7 @@ __all__ = [
     "resume_cron",
     "resume_queue",
     "retry_job",
+    "set_default",
     "signal",
     "signal_job",
     "stats",
@@ -150,6 +151,25 @@ def configure(url: str | None = None, **options: Any) -> Belay:
     if previous is not None:
         previous.close()
     return instance
+
+
+_ANY: Any = object()
+
+
+def set_default(instance: Belay, *, expected: Belay | None = _ANY) -> bool:
+    """Make ``instance`` the default the module-level functions use (for an
+    instance built elsewhere, e.g. by a framework adapter).
+
+    With ``expected``, only if the current default is that instance (None: only
+    if there is none yet), atomically; returns whether it was set. The instance
+    it replaces is not closed: it belongs to whoever made it.
+    """
+    global _default
+    with _default_lock:
+        if expected is not _ANY and _default is not expected:
+            return False
+        _default = instance
+        return True
 
 
 def default() -> Belay:

@@ -137,12 +137,9 @@ def install() -> DjangoBelay:
     instance = _build()
     with _lock:
         previous, _client = _client, instance
-    # belay has no public "is a default configured?", and configure() builds a
-    # plain Belay from a URL where ours follows the alias: same repository, so
-    # under belay's own lock.
-    with belay._default_lock:
-        if belay._default is None or belay._default is previous:
-            belay._default = instance
+    # Only over no default or our own earlier one: a configure() that ran first wins.
+    if not belay.set_default(instance, expected=None) and previous is not None:
+        belay.set_default(instance, expected=previous)
     if previous is not None:
         previous.close()
     return instance

@@ -147,3 +147,19 @@ def test_an_unreachable_server_fails_fast_with_the_real_error():
         psycopg.OperationalError, match="refused"
     ):
         client.get_job(1)
+
+
+def test_set_default_installs_an_instance_and_can_be_conditional(db_url, restore_default):
+    mine, theirs, other = (belay.Belay(db_url) for _ in range(3))
+    try:
+        assert belay.set_default(mine, expected=None) is True      # none yet: set
+        assert belay.default() is mine
+        assert belay.set_default(theirs, expected=None) is False   # one is set: kept
+        assert belay.set_default(theirs, expected=other) is False  # not that one: kept
+        assert belay.default() is mine
+        assert belay.set_default(theirs, expected=mine) is True    # swap ours for ours
+        assert belay.set_default(other) is True                    # unconditional
+        assert belay.default() is other
+    finally:
+        mine.close()
+        theirs.close()
