@@ -104,7 +104,7 @@ def _schema(command: str, url: str) -> int:
         return 0
 
 
-def _parse_queue(text: str) -> tuple[str, Any]:
+def parse_queue_option(text: str) -> tuple[str, Any]:
     """``name``, ``name=N`` or ``name={json options}`` (see docs/queues.md)."""
     name, sep, value = text.partition("=")
     if not sep:
@@ -130,7 +130,7 @@ def _worker(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    queues = dict(_parse_queue(q) for q in args.queues) or {"default": 10}
+    queues = dict(parse_queue_option(q) for q in args.queues) or {"default": 10}
     sys.path.insert(0, os.getcwd())
     for module in args.imports:
         importlib.import_module(module)

@@ -16,7 +16,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 
 from belay import schema
-from belay.cli import _parse_queue
+from belay.cli import parse_queue_option
 from belay.errors import ConfigurationError
 from belay.registry import DEFAULT_REGISTRY
 
@@ -63,7 +63,7 @@ class Command(BaseCommand):
         logging.getLogger("belay").setLevel(level)
         discover()
         try:
-            queues = dict(_parse_queue(q) for q in options["queues"]) or None
+            queues = dict(parse_queue_option(q) for q in options["queues"]) or None
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         conninfo = conninfo_for(settings.database)
