@@ -509,3 +509,22 @@ def test_put_queue_checks_its_options_before_storing(client) -> None:
     with pytest.raises(belay.ValidationError, match="queue name"):
         client.pause_queue("")
     assert client.list_queues() == {}
+
+
+def test_executor_threads_follow_the_live_queues(client, registry) -> None:
+    def executors() -> int:
+        return sum(1 for t in threading.enumerate()
+                   if t.name.startswith("belay-exec-") and t.is_alive())
+
+    worker = belay.Worker({"default": 2}, client=client, registry=registry,
+                          poll_interval=0.05, busy_poll=0.01)
+    before = executors()
+    with worker:
+        assert executors() == before + 2
+        client.put_queue("extra", limit={"min": 1, "max": 3})  # sized by the max
+        worker.sync_queues()
+        assert executors() == before + 5
+        client.delete_queue("extra")
+        worker.sync_queues()
+        wait_until(lambda: executors() == before + 2, "the extra executors retired")
+    wait_until(lambda: executors() == before, "every executor stopped")
