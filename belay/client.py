@@ -200,18 +200,24 @@ class Belay:
         if conn is None and self.connection_provider is not None:
             conn = self.connection_provider()
         if conn is None:
-            with self._own_pool().connection() as own:
-                yield own
-            return
-        borrowed = borrow(conn)
-        if borrowed.conn.info.transaction_status == TransactionStatus.INERROR:
-            raise ValidationError(
-                "the connection's transaction has failed; roll it back before using belay on it"
-            )
+            borrowed = None
+        else:
+            borrowed = borrow(conn)
+            if borrowed.conn.info.transaction_status == TransactionStatus.INERROR:
+                raise ValidationError(
+                    "the connection's transaction has failed; roll it back before using belay "
+                    "on it"
+                )
+        # The innermost acquire decides where pokes go: a call on belay's own
+        # pool inside a borrowed one must not hand its pokes to the caller's commit.
         stack = self._deferrer_stack()
-        stack.append(borrowed.defer_notify)
+        stack.append(None if borrowed is None else borrowed.defer_notify)
         try:
-            yield borrowed.conn
+            if borrowed is not None:
+                yield borrowed.conn
+            else:
+                with self._own_pool().connection() as own:
+                    yield own
         finally:
             stack.pop()
 

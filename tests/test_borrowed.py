@@ -111,3 +111,13 @@ def test_an_unknown_connection_object_is_refused_with_the_fix(client) -> None:
         client.enqueue("t.k", conn=object())
     assert "psycopg 3 connection" in str(caught.value)
     assert "belay_django" in str(caught.value) and "belay_sqlalchemy" in str(caught.value)
+
+
+def test_a_call_on_the_pool_inside_a_borrowed_one_sends_its_own_pokes(
+    client, adapted, sql_conn, notes
+) -> None:
+    adapted.deferring = True
+    with client.connection(adapted):
+        client.enqueue("t.k")  # belay's own pool: committed and poked at once
+    assert notes.received() == [{"t": "p", "q": "default"}]
+    assert adapted.pending == []
