@@ -120,6 +120,8 @@ class Execution:
         self.credited = False
         #: The producer slot this execution holds (the worker's bookkeeping).
         self.owner: Any = None
+        #: Its success waits in the worker's batched acker (slot already free).
+        self.ack_pending = False
 
     def take_credit(self) -> bool:
         """True the first time only: the claim's rate estimate is credited once per run."""

@@ -4,8 +4,17 @@ Threads (all named, all stopping within their wait timeouts):
 
 - ``belay-producer-<queue>``: claims up to the queue's free slots (§6), polls
   adaptively (``busy_poll`` while claims return work, doubling to
-  ``poll_interval`` when idle), and is woken early by a finished job or a poke;
-- ``belay-exec-<n>``: run the jobs, then ack each with one fenced UPDATE (§7);
+  ``poll_interval``), and is woken early by a finished job or a poke; once a
+  claim at ``poll_interval`` finds nothing, the queue is idle and stops polling
+  on its own:
+- ``belay-poller``: every ``poll_interval``, one read asks which idle queues
+  have work now and wakes their producers (§9.1, coalesced: an idle node costs
+  one query per interval, not one claim per queue);
+- ``belay-exec-<n>``: run the jobs, then ack each with one fenced UPDATE (§7) —
+  except a success that settles nothing (no workflow, no parent), which goes to
+- ``belay-acker``: acks every such success waiting in one statement, each row
+  fenced on its own attempt (deliberate difference 2); the job's slot is free
+  as soon as its function returns, its lease held until the ack lands;
 - ``belay-heartbeat``: renews every local lease in one statement each
   ``lease_ttl / 3`` and enforces timeouts; a lease not renewed is lost, and its
   execution may never ack;
@@ -62,6 +71,24 @@ log = logging.getLogger("belay.worker")
 
 #: A job whose kind no worker here knows goes back this far into the future.
 UNKNOWN_KIND_SNOOZE = 60.0
+
+#: Seconds a queue keeps polling at ``busy_poll`` after a claim found work.
+HOT_WINDOW = 0.25
+
+#: An idle producer's own look, in poll intervals, should the poller not wake it.
+IDLE_BACKSTOP = 20
+
+#: The most successes one batched ack statement carries.
+ACK_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class _PendingAck:
+    """A success handed to the acker: acked, then reported, then forgotten."""
+
+    execution: Execution
+    result: bytes | None
+    duration: float
 @dataclass(frozen=True)
 class JobEnd:
     """What a ``on_job_end`` hook receives once per finished execution."""
@@ -73,10 +100,10 @@ class JobEnd:
 
 
 def _pool_size(specs: Iterable[QueueSpec]) -> int:
-    """Producers + heartbeat + sweeper + queue sync + cron, and acks (which may wait
-    their turn)."""
+    """Producers + heartbeat + sweeper + queue sync + cron + idle poller + acker,
+    and single acks (which may wait their turn)."""
     specs = list(specs)
-    return len(specs) + 4 + min(sum(s.limit for s in specs), 16)
+    return len(specs) + 6 + min(sum(s.limit for s in specs), 16)
 
 
 class _Queue:
@@ -204,6 +231,14 @@ class Worker:
         self._halted = threading.Event()
         self._stopped = threading.Event()
         self._heartbeat_wake = threading.Event()
+        #: Idle queues, whose producers wait for the poller (or a poke) to wake them.
+        self._idle: set[_Queue] = set()
+        #: Successes waiting for the acker; None stops it.
+        self._acks: queue_module.SimpleQueue[_PendingAck | None] = queue_module.SimpleQueue()
+        self._acker: threading.Thread | None = None
+        #: Marks executor threads: only their successes are acked in batches
+        #: (``drain()`` and direct calls ack before they return).
+        self._local = threading.local()
         self._pool: ConnectionPool | None = None
         self._listener: Any = None
         self._channel = ""
@@ -238,10 +273,15 @@ class Worker:
             self._stopped.clear()
             self._work = queue_module.SimpleQueue()
             self._executor_target = 0
+            self._acks = queue_module.SimpleQueue()
+            self._acker = threading.Thread(target=self._ack_loop, name="belay-acker",
+                                           daemon=True)
+            self._acker.start()
             self._apply(specs)
             self._spawn(self._heartbeat, "belay-heartbeat")
             self._spawn(self._sweep, "belay-sweeper")
             self._spawn(self._sync_loop, "belay-queues")
+            self._spawn(self._poll_idle, "belay-poller")
             if self.notify:
                 from belay.notify import Listener
 
@@ -301,6 +341,7 @@ class Worker:
         for thread in executors:
             if thread.ident not in busy:
                 thread.join(1.0)
+        self._stop_acker()
         self._halted.set()
         self._heartbeat_wake.set()
         if self._listener is not None:
@@ -455,8 +496,9 @@ class Worker:
 
     def _produce(self, q: _Queue) -> None:
         interval = self.busy_poll
+        last_hit = 0.0
         while not self._stopping.is_set() and not q.retired:
-            claimed = 0
+            claimed = demand = 0
             try:
                 demand = self._demand(q)
                 if demand > 0:
@@ -466,17 +508,49 @@ class Worker:
             except Exception:
                 log.exception("belay: claiming from %r failed; retrying", q.name)
                 interval = self.poll_interval
-            # Hot while claims find work, decaying to the idle ceiling (§9.1).
-            interval = self.busy_poll if claimed else min(interval * 2, self.poll_interval)
-            wait = interval
+            # Hot while claims find work and for HOT_WINDOW after (jobs that
+            # trickle in keep being picked up at busy_poll), then decaying to
+            # the idle ceiling (§9.1); a claim at the ceiling that finds nothing
+            # leaves the queue to the poller (with a long backstop, should the
+            # poller be stuck).
+            idle = demand > 0 and not claimed and interval >= self.poll_interval
+            if claimed:
+                last_hit = time.monotonic()
+            hot = time.monotonic() - last_hit < HOT_WINDOW
+            interval = self.busy_poll if hot else min(interval * 2, self.poll_interval)
+            wait = interval * IDLE_BACKSTOP if idle else interval
             with self._lock:
                 if q.gather_until:
                     wait = min(wait, max(0.0, min(q.gather_until.values()) - time.monotonic()))
+                if idle:
+                    self._idle.add(q)
             q.wake.wait(wait)
             q.wake.clear()
+            if idle:
+                with self._lock:
+                    self._idle.discard(q)
         # Leaving (stop, or the queue left the configuration): chunks still
         # gathering hold claimed jobs under renewed leases; they run now.
         self._flush_chunks(q, everything=True)
+
+    def _poll_idle(self) -> None:
+        """One read per ``poll_interval`` for every idle queue; wakes the
+        producers of those with work. A failed read wakes them all, so they
+        claim (and log) on their own until the database answers again."""
+        while not self._stopping.wait(self.poll_interval):
+            with self._lock:
+                idle = {q.name: q for q in self._idle if not q.retired}
+            if not idle:
+                continue
+            try:
+                assert self._pool is not None
+                with self._pool.connection() as conn:
+                    busy = store.queues_with_work(conn, sorted(idle), self._now())
+            except Exception:
+                log.warning("belay: polling idle queues failed", exc_info=True)
+                busy = set(idle)
+            for name in busy:
+                idle[name].wake.set()
 
     def _adapt(self, q: _Queue, claimed: int, demand: int) -> None:
         spec = q.spec
@@ -568,6 +642,7 @@ class Worker:
     # -- Running -----------------------------------------------------------------------
 
     def _exec_loop(self) -> None:
+        self._local.executor = True
         while True:
             item = self._work.get()
             if item is None:
@@ -588,14 +663,23 @@ class Worker:
                     self._release(execution)
 
     def _release(self, execution: Execution) -> None:
+        """Free the slot; forget the execution too unless its ack is pending
+        (then the acker does, once the ack lands)."""
         owner: _Queue | None = execution.owner
         with self._lock:
-            self._executions.pop(execution.key, None)
+            if not execution.ack_pending:
+                self._executions.pop(execution.key, None)
             if owner is not None:
                 owner.inflight -= 1
-        execution.done.set()
+        if not execution.ack_pending:
+            execution.done.set()
         if owner is not None:
             owner.wake.set()
+
+    def _forget(self, execution: Execution) -> None:
+        with self._lock:
+            self._executions.pop(execution.key, None)
+        execution.done.set()
 
     def execute(self, execution: Execution) -> str:
         """Run one claimed execution and ack it; returns the outcome recorded."""
@@ -730,6 +814,9 @@ class Worker:
             outcome = decide(returned=returned, raised=raised, attempt=job.attempt,
                              max_attempts=job.max_attempts, now=self._now(),
                              backoff=definition.backoff)
+        if outcome.kind == "succeeded" and store.batchable(job) and self._defer_ack(
+                _PendingAck(execution, outcome.result, duration)):
+            return "succeeded"
         acked = self._ack(job, outcome)
         kind = outcome.kind if acked else "stale"
         self._finished(job, kind, duration, outcome.error)
@@ -759,6 +846,84 @@ class Worker:
                             exc_info=True)
                 self._halted.wait(0.2 * (attempt + 1))
         return False
+
+    # -- Batched acks (deliberate difference 2) -------------------------------------------
+
+    def _defer_ack(self, pending: _PendingAck) -> bool:
+        """Hand a success to the acker; False (ack it yourself) off an executor
+        thread or once the acker is stopping."""
+        if not getattr(self._local, "executor", False):
+            return False
+        with self._lock:
+            if self._acker is None:
+                return False
+            pending.execution.ack_pending = True
+            self._acks.put(pending)
+        return True
+
+    def _stop_acker(self) -> None:
+        """Ack what is pending, then stop the acker (before the pool closes)."""
+        with self._lock:
+            acker, self._acker = self._acker, None
+        if acker is not None:
+            self._acks.put(None)
+            acker.join()
+
+    def _ack_loop(self) -> None:
+        """Take every success waiting — one, or as many as piled up while the
+        last batch was in flight — and ack them in one statement. No timer:
+        a lone success is acked at once, so batching costs no latency."""
+        while True:
+            item = self._acks.get()
+            batch: list[_PendingAck] = []
+            stopping = item is None
+            if item is not None:
+                batch.append(item)
+            while not stopping and len(batch) < ACK_BATCH:
+                try:
+                    item = self._acks.get_nowait()
+                except queue_module.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                else:
+                    batch.append(item)
+            if batch:
+                try:
+                    self._ack_batch(batch)
+                except BaseException:
+                    log.exception("belay: batched ack of jobs %s failed; their leases will "
+                                  "lapse and they will be reclaimed",
+                                  [p.execution.job.id for p in batch])
+                    for pending in batch:
+                        self._forget(pending.execution)
+            if stopping:
+                return
+
+    def _ack_batch(self, batch: list[_PendingAck]) -> None:
+        assert self._pool is not None
+        rows = [(p.execution.job, p.result) for p in batch]
+        acked: set[int] = set()
+        for attempt in range(3):
+            try:
+                with self._pool.connection() as conn:
+                    acked = store.ack_succeeded_many(
+                        conn, rows, self._now(), self._channel if self.notify else None)
+                break
+            except psycopg.OperationalError:
+                # As for a single ack: retry; if the database stays away the
+                # leases lapse and the jobs are reclaimed (at-least-once).
+                log.warning("belay: batched ack of %d jobs failed (try %d)", len(batch),
+                            attempt + 1, exc_info=True)
+                self._halted.wait(0.2 * (attempt + 1))
+        for pending in batch:
+            job = pending.execution.job
+            kind = "succeeded" if job.id in acked else "stale"
+            if kind == "stale":
+                log.warning("belay: stale ack for job %d attempt %d discarded (the job was "
+                            "reclaimed)", job.id, job.attempt)
+            self._finished(job, kind, pending.duration, None)
+            self._forget(pending.execution)
 
     def _park(self, job: Job, park: Park) -> str:
         """§7 park-and-wake: "await", or "ready" when the signal was already there."""

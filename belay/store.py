@@ -403,6 +403,14 @@ def claim_admitted(
     return jobs
 
 
+def queues_with_work(conn: Conn, queues: Sequence[str], now: datetime) -> set[str]:
+    """§9.1: which of these queues hold a job a claim would take now (unlocked)."""
+    if not queues:
+        return set()
+    return {r["queue"] for r in _rows(conn, "queues_with_work",
+                                      {"queues": list(queues), "now": now})}
+
+
 def renew_leases(
     conn: Conn, keys: Sequence[tuple[int, int]], node: str, until: datetime
 ) -> set[tuple[int, int]]:
@@ -458,6 +466,32 @@ def ack(
     if updated.terminal:
         return Acked(updated, after_terminal(conn, updated, now))
     return Acked(updated, Settled([], []))
+
+
+def batchable(job: Job) -> bool:
+    """A job whose success may be acked in a batch: its terminal write settles
+    nothing (no workflow, no parent), so the batch equals single acks."""
+    return job.workflow_id is None and job.parent_id is None
+
+
+def ack_succeeded_many(
+    conn: Conn, acks: Sequence[tuple[Job, bytes | None]], now: datetime,
+    channel: str | None = None,
+) -> set[int]:
+    """§7 "succeeded" for many :func:`batchable` jobs in one statement (atomic on
+    its own), each fenced on its claimed attempt; returns the ids that took
+    effect — any other was stale. With ``channel``, the same statement
+    announces each result there (§9.2)."""
+    if not acks:
+        return set()
+    found = _rows(conn, "ack_succeeded_many", {
+        "ids": [job.id for job, _ in acks],
+        "attempts": [job.attempt for job, _ in acks],
+        "results": [result for _, result in acks],
+        "now": now,
+        "channel": channel,
+    })
+    return {r["id"] for r in found}
 
 
 def expired_leases(conn: Conn, now: datetime, limit: int) -> list[int]:

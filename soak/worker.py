@@ -66,7 +66,24 @@ def _break(rule: str) -> None:
             conn.execute("UPDATE belay_jobs SET state = 'running' WHERE id = %s", (job.id,))
             return real_ack(conn, job.replace(attempt=found[0]), kind, now, **kw)
 
+        real_many = store.ack_succeeded_many
+
+        def unfenced_many(conn: Any, acks: Any, now: Any, channel: Any = None) -> Any:
+            # The batched ack, broken the same way: each row on whatever attempt it is.
+            unfenced = []
+            for job, result in acks:
+                found = conn.execute("SELECT attempt FROM belay_jobs WHERE id = %s AND state "
+                                     "NOT IN ('succeeded', 'failed', 'cancelled')",
+                                     (job.id,)).fetchone()
+                if found is not None:
+                    conn.execute("UPDATE belay_jobs SET state = 'running' WHERE id = %s",
+                                 (job.id,))
+                    job = job.replace(attempt=found[0])
+                unfenced.append((job, result))
+            return real_many(conn, unfenced, now, channel)
+
         store.ack = unfenced_ack
+        store.ack_succeeded_many = unfenced_many
     elif rule == "steps":
         from belay import store
 

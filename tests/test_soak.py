@@ -359,6 +359,7 @@ def test_the_fence_rejects_a_zombies_ack(db_url: str) -> None:
 
 def test_an_unfenced_ack_is_caught(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store, "ack", store.ack)  # restored after the test
+    monkeypatch.setattr(store, "ack_succeeded_many", store.ack_succeeded_many)
     apply_break("fence")
     snap = _zombie_run(db_url)
     assert [(a["attempt"], a["outcome"]) for a in snap.acks] == [

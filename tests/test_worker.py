@@ -47,7 +47,7 @@ from tests.helpers import (
 )
 
 WORKER_NAMES = ("belay-producer-", "belay-exec-", "belay-heartbeat", "belay-sweeper",
-                "belay-listener")
+                "belay-listener", "belay-poller", "belay-acker", "belay-queues")
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -1044,8 +1044,8 @@ def test_start_and_stop_are_idempotent_and_name_their_threads(client, sql_conn) 
             "belay-exec-0", "belay-exec-1", "belay-exec-2"]
         assert {n for n in names if not n.startswith("belay-exec-")} == {
             "belay-producer-a", "belay-producer-b", "belay-heartbeat", "belay-sweeper",
-            "belay-listener"}
-        assert len(names) == 8  # the second start() started nothing
+            "belay-listener", "belay-poller", "belay-acker", "belay-queues"}
+        assert len(names) == 11  # the second start() started nothing
         ends = Ends(worker)
         client.enqueue("life", queue="b")
         ends.wait_for(1)

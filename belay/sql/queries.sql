@@ -237,11 +237,33 @@ FROM picked
 WHERE j.id = picked.picked_id
 RETURNING {job_columns};
 
+-- name: queues_with_work
+-- §9.1 idle polling, coalesced: one read for every idle queue of a node —
+-- which of them have a job the claim would take now (ready and due, or
+-- awaiting past its deadline). No locks, no writes; the claim re-checks.
+SELECT q AS queue FROM unnest(%(queues)s::text[]) AS q
+WHERE EXISTS (
+  SELECT 1 FROM belay_jobs
+  WHERE queue = q AND state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s)
+) OR EXISTS (
+  SELECT 1 FROM belay_jobs
+  WHERE queue = q AND state = 'awaiting' AND ready_at IS NOT NULL AND ready_at <= %(now)s
+);
+
 -- name: renew_leases
 -- §6: one statement renews every local lease; a pair not returned is lost.
-UPDATE belay_jobs SET lease_until = %(until)s
-WHERE id = ANY(%(ids)s::bigint[]) AND state = 'running' AND leased_by = %(node)s
-RETURNING id, attempt;
+-- Rows are locked in id order, as ack_succeeded_many locks them, so a renewal
+-- and a batched ack of the same rows queue up instead of deadlocking.
+WITH mine AS (
+  SELECT id FROM belay_jobs
+  WHERE id = ANY(%(ids)s::bigint[]) AND state = 'running' AND leased_by = %(node)s
+  ORDER BY id
+  FOR UPDATE
+)
+UPDATE belay_jobs AS j SET lease_until = %(until)s
+FROM mine
+WHERE j.id = mine.id
+RETURNING j.id, j.attempt;
 
 -- name: ack_succeeded
 -- §7 acks: each fenced on the claimed attempt; zero rows means a stale ack.
@@ -250,6 +272,36 @@ SET state = 'succeeded', result = %(result)s, finished_at = %(now)s,
     lease_until = NULL, leased_by = NULL
 WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
 RETURNING {job_columns};
+
+-- name: ack_succeeded_many
+-- §7 and deliberate difference 2: many succeeded acks in one statement, each
+-- row fenced on its own claimed attempt (a stale one simply isn't returned).
+-- Only for jobs outside workflows and without a parent, whose terminal write
+-- settles nothing — so N rows here are exactly N single acks. Locks in id
+-- order (see renew_leases).
+WITH acks AS (
+  SELECT * FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::bytea[])
+    AS a(id, attempt, result)
+), mine AS (
+  SELECT j.id FROM belay_jobs AS j JOIN acks ON acks.id = j.id
+  WHERE j.state = 'running' AND j.attempt = acks.attempt
+  ORDER BY j.id
+  FOR UPDATE OF j
+), acked AS (
+  UPDATE belay_jobs AS j
+  SET state = 'succeeded', result = acks.result, finished_at = %(now)s,
+      lease_until = NULL, leased_by = NULL
+  FROM mine JOIN acks ON acks.id = mine.id
+  WHERE j.id = mine.id AND j.state = 'running' AND j.attempt = acks.attempt
+  RETURNING j.id
+)
+-- With a channel, each result is announced (§9.2) by this same statement, so
+-- on its commit: one round trip for the whole batch.
+SELECT acked.id FROM acked
+LEFT JOIN LATERAL (
+  SELECT pg_notify(%(channel)s, jsonb_build_object('t', 'r', 'id', acked.id)::text)
+  WHERE %(channel)s::text IS NOT NULL
+) AS sent ON true;
 
 -- name: ack_retry
 UPDATE belay_jobs

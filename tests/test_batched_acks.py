@@ -1,0 +1,206 @@
+"""Batched acks (DESIGN.md, deliberate difference 2): many successes in one
+statement, each row fenced on its own claimed attempt, equal to N single acks.
+
+Only jobs whose terminal write settles nothing (no workflow, no parent) are
+batched; the rest keep the single ack with its settlement. A running worker
+acks its executors' successes through the ``belay-acker`` thread; ``stop()``
+acks whatever is pending before the pool closes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import belay
+from belay import store
+from belay.job import Job
+from tests.helpers import START, Ends, job_row, running_job
+from tests.test_worker import make_worker, running
+
+COMPARED = ("state", "result", "finished_at", "lease_until", "leased_by", "attempt", "errors")
+
+
+def _claimed(conn: Any, job_id: int) -> Job:
+    return Job.from_row(job_row(conn, job_id))
+
+
+def test_a_batch_equals_single_acks_and_skips_every_stale_attempt(sql_conn) -> None:
+    live = [running_job(sql_conn) for _ in range(3)]
+    twins = [running_job(sql_conn) for _ in range(3)]
+    stale_rows = [
+        {"state": "running", "attempt": 2, "leased_by": "other"},  # claimed again
+        {"state": "ready", "attempt": 1, "lease_until": None, "leased_by": None},  # reclaimed
+        {"state": "succeeded", "attempt": 1, "lease_until": None, "leased_by": None},
+    ]
+    stale = [running_job(sql_conn, **row) for row in stale_rows]
+    before = {job_id: job_row(sql_conn, job_id) for job_id in stale}
+    # The attempt each stale ack was claimed under: 1, now superseded.
+    stale_claims = [_claimed(sql_conn, i).replace(attempt=1, state="running") for i in stale]
+    results = [b'{"n":1}', None, b'"x"']
+    acks = [(_claimed(sql_conn, i), r) for i, r in zip(live, results, strict=True)]
+    acks += [(job, b'{"stale":true}') for job in stale_claims]
+
+    assert store.ack_succeeded_many(sql_conn, acks, START) == set(live)
+
+    for twin, result in zip(twins, results, strict=True):
+        with sql_conn.transaction():
+            assert store.ack(sql_conn, _claimed(sql_conn, twin), "succeeded", START,
+                             result=result) is not None
+    for one, twin in zip(live, twins, strict=True):
+        batched, single = job_row(sql_conn, one), job_row(sql_conn, twin)
+        assert {c: batched[c] for c in COMPARED} == {c: single[c] for c in COMPARED}
+        assert batched["state"] == "succeeded"
+    for job_id in stale:
+        assert job_row(sql_conn, job_id) == before[job_id]
+
+
+def test_a_batch_announces_each_result_it_wrote_and_no_other(sql_conn, notes) -> None:
+    live = [running_job(sql_conn) for _ in range(2)]
+    stale = running_job(sql_conn, attempt=2, leased_by="other")
+    acks = [(_claimed(sql_conn, i), None) for i in live]
+    acks.append((_claimed(sql_conn, stale).replace(attempt=1), None))
+
+    assert store.ack_succeeded_many(sql_conn, acks, START, notes.channel) == set(live)
+
+    assert sorted(notes.received(), key=lambda n: n["id"]) == [
+        {"t": "r", "id": job_id} for job_id in sorted(live)]
+    # Without a channel, nothing is announced.
+    other = running_job(sql_conn)
+    assert store.ack_succeeded_many(sql_conn, [(_claimed(sql_conn, other), None)],
+                                    START) == {other}
+    assert notes.received() == []
+
+
+class _Batches:
+    """Records the batches a worker's acker sends (sizes and job ids)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.sizes: list[int] = []
+        self.ids: set[int] = set()
+        real = store.ack_succeeded_many
+
+        def recording(conn: Any, acks: Sequence[tuple[Job, bytes | None]], *args: Any,
+                      **kwargs: Any) -> set[int]:
+            self.sizes.append(len(acks))
+            self.ids.update(job.id for job, _ in acks)
+            return real(conn, acks, *args, **kwargs)
+
+        monkeypatch.setattr(store, "ack_succeeded_many", recording)
+
+
+def test_a_running_worker_acks_successes_in_batches(client, sql_conn, monkeypatch) -> None:
+    batches = _Batches(monkeypatch)
+    reg = belay.Registry()
+    gate = threading.Event()
+
+    @belay.worker(name="gated", registry=reg)
+    def gated(ctx: belay.Context) -> Any:
+        # All 20 slots fill before any function returns, so successes pile up.
+        gate.wait(10)
+        return {"n": ctx.input["n"]}
+
+    worker = make_worker(client, reg, {"default": 20})
+    ends = Ends(worker)
+    jobs = client.enqueue_many([{"kind": gated, "input": {"n": n}} for n in range(200)])
+    with running(worker):
+        threading.Timer(0.3, gate.set).start()
+        ends.wait_for(200)
+    assert {e.outcome for e in ends.events} == {"succeeded"}
+    assert sum(batches.sizes) == 200
+    assert batches.ids == {job.id for job in jobs}
+    assert max(batches.sizes) > 1  # fewer statements than jobs
+    for job in jobs[:5]:
+        assert client.get_job(job.id).result == {"n": job.input["n"]}
+
+
+def test_workflow_members_and_children_keep_the_single_ack_with_settlement(
+    client, monkeypatch
+) -> None:
+    batches = _Batches(monkeypatch)
+    reg = belay.Registry()
+
+    @belay.worker(name="plain", registry=reg)
+    def plain(ctx: belay.Context) -> Any:
+        return "done"
+
+    @belay.worker(name="parent", registry=reg)
+    def parent(ctx: belay.Context) -> Any:
+        results = ctx.map_children("kids", "plain", [{"i": 1}, {"i": 2}])
+        return len(results)
+
+    flow = belay.Workflow("batch-flow").add("a", "plain").add("b", "plain", deps=["a"])
+    members = client.enqueue_workflow(flow)
+    boss = client.enqueue("parent")
+    worker = make_worker(client, reg)
+    with running(worker):
+        assert client.await_result(boss.id, timeout=10) == 2
+        for member in members.values():
+            assert client.await_result(member.id, timeout=10) == "done"
+    children = client.list_jobs(parent_id=boss.id)
+    assert len(children) == 2
+    settling = {m.id for m in members.values()} | {c.id for c in children}
+    assert not batches.ids & settling
+    # The parent itself is in no workflow and has no parent: batched.
+    assert boss.id in batches.ids
+
+
+def test_a_stale_batched_ack_is_discarded_and_reported(client, sql_conn) -> None:
+    reg = belay.Registry()
+
+    @belay.worker(name="robbed", registry=reg)
+    def robbed(ctx: belay.Context) -> Any:
+        # Meanwhile the job was reclaimed and claimed again elsewhere.
+        sql_conn.execute("UPDATE belay_jobs SET attempt = attempt + 1, leased_by = 'thief' "
+                         "WHERE id = %s", (ctx.id,))
+        return "mine"
+
+    worker = make_worker(client, reg)
+    ends = Ends(worker)
+    job = client.enqueue(robbed)
+    with running(worker):
+        (event,) = ends.wait_for(1)
+    assert event.outcome == "stale"
+    row = job_row(sql_conn, job.id)
+    assert (row["state"], row["leased_by"], row["result"]) == ("running", "thief", None)
+
+
+def test_stop_acks_every_success_still_pending(client, sql_conn) -> None:
+    reg = belay.Registry()
+    returned: list[int] = []
+    lock = threading.Lock()
+    enough = threading.Event()
+
+    @belay.worker(name="quick", registry=reg)
+    def quick(ctx: belay.Context) -> Any:
+        with lock:
+            returned.append(ctx.id)
+            if len(returned) >= 150:
+                enough.set()
+        return None
+
+    worker = make_worker(client, reg, {"default": 30})
+    client.enqueue_many([{"kind": quick} for _ in range(600)])
+    worker.start()
+    assert enough.wait(15)
+    worker.stop()
+    with lock:
+        ran = set(returned)
+    states = dict(sql_conn.execute(
+        "SELECT id, state FROM belay_jobs WHERE state <> 'ready'").fetchall())
+    # Every function that returned was acked before the pool closed; none is
+    # left running for a lease to lapse.
+    assert {i for i, s in states.items() if s == "succeeded"} == ran
+    assert "running" not in states.values()
+
+
+def test_drain_acks_before_it_returns(client, sql_conn) -> None:
+    """Off the executor threads (drain, direct calls) a success is acked at once."""
+    reg = belay.Registry()
+    belay.worker(name="drained", registry=reg)(lambda ctx: 7)
+    jobs = client.enqueue_many([{"kind": "drained"} for _ in range(5)])
+    worker = make_worker(client, reg)
+    assert worker.drain() == {"succeeded": 5}
+    for job in jobs:
+        assert job_row(sql_conn, job.id)["state"] == "succeeded"
