@@ -39,7 +39,13 @@ def free_port() -> int:
 class Server:
     """One private PostgreSQL server: ``start()``, ``crash_restart()``, ``stop()``."""
 
-    def __init__(self, port: int | None = None, root: str | None = None) -> None:
+    #: The soak's settings: durability off (it crashes the server on purpose,
+    #: and measures correctness, not speed).
+    SETTINGS = "-c fsync=off -c full_page_writes=off -c shared_buffers=64MB"
+
+    def __init__(self, port: int | None = None, root: str | None = None,
+                 settings: str | None = None) -> None:
+        self.settings = self.SETTINGS if settings is None else settings
         self.bin = _bin_dir()
         self.root = Path(root or tempfile.mkdtemp(prefix="belay-soak-pg-"))
         self.data = self.root / "data"
@@ -97,7 +103,7 @@ class Server:
 
     def start(self) -> None:
         options = (f"-h 127.0.0.1 -p {self.port} -k {self.sockets} -c max_connections=400 "
-                   "-c fsync=off -c full_page_writes=off -c shared_buffers=64MB")
+                   f"{self.settings}")
         self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "-l", str(self.log),
                   "-o", options, "start", timeout=90)
 

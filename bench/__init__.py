@@ -1,0 +1,1 @@
+"""belay's benchmark suite: ``python -m bench`` (see bench/README.md)."""

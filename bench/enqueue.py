@@ -1,0 +1,192 @@
+"""Enqueue rates: belay's ``enqueue`` and ``enqueue_many`` against the plain
+INSERT (and COPY) an application could write itself, same columns, same run.
+
+belay adds validation, a transaction around the insert and a wake-up
+``pg_notify``; the ratio is what those cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+
+import orjson
+import psycopg
+
+import belay
+from bench.core import Bench, Figure
+
+SECTION = "enqueue"
+THREADS = 8
+BATCH = 1_000
+#: Rows each thread enqueues untimed first (pool, prepared statements).
+WARM = 5
+
+#: Every column belay's insert_jobs gives a new plain job a non-NULL value.
+COLUMNS = ("kind, queue, state, input, meta, priority, attempt, max_attempts, ready_at, "
+           "wf_deps, wf_ignore, spent_usd_micros, spent_tokens, errors, cancel_requested, "
+           "inserted_at")
+INSERT_ONE = f"""
+INSERT INTO belay_jobs ({COLUMNS})
+VALUES ('noop', 'default', 'ready', %s::jsonb, '{{}}', 0, 0, 20, %s, '{{}}', '{{}}', 0, 0, '[]',
+        false, %s)
+RETURNING id
+"""
+INSERT_MANY = f"""
+INSERT INTO belay_jobs ({COLUMNS})
+SELECT 'noop', 'default', 'ready', i, '{{}}', 0, 0, 20, %(now)s, '{{}}', '{{}}', 0, 0, '[]',
+       false, %(now)s
+FROM unnest(%(inputs)s::text[]::jsonb[]) AS i
+RETURNING id
+"""
+COPY = f"COPY belay_jobs ({COLUMNS}) FROM STDIN"
+
+#: body(thread index, rows it inserts, ready) sets up, calls ready(), then inserts.
+Body = Callable[[int, range, Callable[[], object]], None]
+#: A body for (database URL, thread count), its resources closed by the exit stack.
+Maker = Callable[[str, int, contextlib.ExitStack], Body]
+
+
+def _input(n: int) -> str:
+    return orjson.dumps({"i": n}).decode()
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _timed(threads: int, rows: int, body: Body) -> float:
+    """Seconds for ``threads`` threads to insert ``rows`` between them, counted
+    from the moment all of them are set up."""
+    gate = threading.Barrier(threads + 1)
+    share = rows // threads
+
+    def target(index: int) -> None:
+        try:
+            body(index, range(index * share, (index + 1) * share), gate.wait)
+        except BaseException:
+            gate.abort()
+            raise
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="bench-enqueue") as pool:
+        futures = [pool.submit(target, i) for i in range(threads)]
+        try:
+            gate.wait()
+        except threading.BrokenBarrierError:
+            for future in futures:
+                future.result()
+            raise
+        started = time.monotonic()
+        for future in futures:
+            future.result()
+    return time.monotonic() - started
+
+
+def _rate(bench: Bench, tag: str, threads: int, rows: int, make: Maker) -> float:
+    """rows/s on a fresh database, after an untimed warm-up round."""
+    with bench.database(f"enq_{tag}") as url, contextlib.ExitStack() as stack:
+        run = make(url, threads, stack)
+        _timed(threads, WARM * threads, run)
+        elapsed = _timed(threads, rows, run)
+    rate = rows // threads * threads / elapsed
+    bench.log(f"enqueue {tag}: {rate:,.0f} rows/s")
+    return rate
+
+
+# -- belay --------------------------------------------------------------------------
+
+
+def _belay_single(url: str, threads: int, stack: contextlib.ExitStack) -> Body:
+    client = stack.enter_context(belay.Belay(url, min_pool_size=threads, max_pool_size=threads))
+
+    def body(index: int, rows: range, ready: Callable[[], object]) -> None:
+        ready()
+        for n in rows:
+            client.enqueue("noop", {"i": n})
+
+    return body
+
+
+def _belay_many(url: str, threads: int, stack: contextlib.ExitStack) -> Body:
+    client = stack.enter_context(belay.Belay(url, max_pool_size=threads))
+
+    def body(index: int, rows: range, ready: Callable[[], object]) -> None:
+        ready()
+        for start in range(rows.start, rows.stop, BATCH):
+            client.enqueue_many([{"kind": "noop", "input": {"i": n}}
+                                 for n in range(start, min(start + BATCH, rows.stop))])
+
+    return body
+
+
+# -- raw psycopg ------------------------------------------------------------------------
+
+
+def _raw_single(url: str, threads: int, stack: contextlib.ExitStack) -> Body:
+    def body(index: int, rows: range, ready: Callable[[], object]) -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            ready()
+            for n in rows:
+                now = _now()
+                conn.execute(INSERT_ONE, (_input(n), now, now)).fetchone()
+
+    return body
+
+
+def _raw_many(url: str, threads: int, stack: contextlib.ExitStack) -> Body:
+    def body(index: int, rows: range, ready: Callable[[], object]) -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            ready()
+            for start in range(rows.start, rows.stop, BATCH):
+                inputs = [_input(n) for n in range(start, min(start + BATCH, rows.stop))]
+                conn.execute(INSERT_MANY, {"inputs": inputs, "now": _now()}).fetchall()
+
+    return body
+
+
+def _raw_copy(url: str, threads: int, stack: contextlib.ExitStack) -> Body:
+    def body(index: int, rows: range, ready: Callable[[], object]) -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            ready()
+            for start in range(rows.start, rows.stop, BATCH):
+                now = _now()
+                with conn.cursor() as cur, cur.copy(COPY) as copy:
+                    for n in range(start, min(start + BATCH, rows.stop)):
+                        copy.write_row(("noop", "default", "ready", _input(n), "{}", 0, 0, 20,
+                                        now, "{}", "{}", 0, 0, "[]", False, now))
+
+    return body
+
+
+def run(bench: Bench) -> list[Figure]:
+    single = bench.size(500, 5_000)
+    batched = bench.size(10_000, 200_000)
+    rates: dict[str, float] = {
+        "belay_seq": _rate(bench, "belay_seq", 1, single, _belay_single),
+        "raw_seq": _rate(bench, "raw_seq", 1, single, _raw_single),
+        "belay_threads": _rate(bench, "belay_threads", THREADS, single, _belay_single),
+        "raw_threads": _rate(bench, "raw_threads", THREADS, single, _raw_single),
+        "belay_many": _rate(bench, "belay_many", 1, batched, _belay_many),
+        "raw_many": _rate(bench, "raw_many", 1, batched, _raw_many),
+        "raw_copy": _rate(bench, "raw_copy", 1, batched, _raw_copy),
+    }
+
+    def figure(name: str, key: str, baseline: str, base_key: str, rows: int) -> Figure:
+        return Figure(SECTION, name, rates[key], "rows/s", baseline=baseline,
+                      baseline_value=rates[base_key], extra={"rows": rows})
+
+    batches = f"{BATCH:,}-row batches"
+    return [
+        figure("belay enqueue, single rows, sequential", "belay_seq",
+               "raw single-row INSERT, sequential", "raw_seq", single),
+        figure(f"belay enqueue, single rows, {THREADS} threads", "belay_threads",
+               f"raw single-row INSERT, {THREADS} threads", "raw_threads", single),
+        figure(f"belay enqueue_many, {batches}", "belay_many",
+               f"raw multi-row INSERT (unnest), {batches}", "raw_many", batched),
+        figure(f"belay enqueue_many against COPY, {batches}", "belay_many",
+               f"raw COPY, {batches}", "raw_copy", batched),
+    ]

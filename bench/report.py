@@ -1,0 +1,119 @@
+"""The report: the issue's ratio targets from the figures, a Markdown table,
+and a PNG chart (matplotlib, when installed)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from bench.core import Figure
+
+SECTIONS = ("throughput", "targets", "latency", "enqueue", "scale", "idle", "memory")
+
+
+def _find(figures: list[Figure], test: Callable[[Figure], bool]) -> Figure | None:
+    found = [f for f in figures if test(f) and f.value is not None and not math.isnan(f.value)]
+    return max(found, key=lambda f: f.value) if found else None
+
+
+def _system(figure: Figure) -> str:
+    return str(figure.extra.get("system", ""))
+
+
+def derive_targets(figures: list[Figure]) -> list[Figure]:
+    """The throughput targets, read across scenarios: belay with 2 worker
+    processes against the raw ceiling and each peer's best configuration."""
+    belay = _find(figures, lambda f: _system(f) == "belay" and f.extra.get("procs") == 2
+                  and not f.extra.get("sustained"))
+    if belay is None:
+        return []
+    derived = []
+    ceiling = _find(figures, lambda f: f.section == "throughput"
+                    and f.name.startswith("raw SQL ceiling"))
+    goals: list[tuple[Figure | None, float, str]] = [(ceiling, 0.5, "raw SQL ceiling")]
+    for system, factor in (("pgqueuer", 1.5), ("procrastinate", 2.0)):
+        goals.append((_find(figures, lambda f, s=system: _system(f) == s  # type: ignore[misc]
+                            and f.extra.get("procs") == 2), factor, system))
+    for baseline, factor, label in goals:
+        if baseline is None:
+            continue
+        ratio = belay.value / baseline.value
+        derived.append(Figure(
+            "targets", f"belay 2 processes vs {baseline.name}", belay.value, "jobs/s",
+            baseline=baseline.name, baseline_value=baseline.value,
+            target=f"≥ {factor:g}x {label}", met=ratio >= factor))
+    return derived
+
+
+def _number(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "—"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def markdown(figures: list[Figure], machine: dict[str, str], *, quick: bool,
+             failures: list[str]) -> str:
+    lines = [
+        "# belay benchmark results",
+        "",
+        ("Quick mode (CI sizes): numbers only, too small to judge by."
+         if quick else "Full run. Every ratio is against a baseline measured in the same run."),
+        "",
+        "| machine | |",
+        "|---|---|",
+        *(f"| {key} | {value} |" for key, value in machine.items()),
+        "",
+    ]
+    for section in [*SECTIONS, *sorted({f.section for f in figures} - set(SECTIONS))]:
+        rows = [f for f in figures if f.section == section]
+        if not rows:
+            continue
+        lines += [f"## {section}", "",
+                  "| figure | value | baseline | ratio | target | met | note |",
+                  "|---|---:|---|---:|---|:-:|---|"]
+        for f in rows:
+            baseline = "" if f.baseline is None else (
+                f"{f.baseline}: {_number(f.baseline_value)} {f.unit}")
+            met = "" if f.met is None else ("yes" if f.met else "**no**")
+            ratio = "" if f.ratio is None else f"{f.ratio:.2f}"
+            note = f.note.replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {f.name} | {_number(f.value)} {f.unit} | {baseline} | {ratio} | "
+                         f"{f.target or ''} | {met} | {note} |")
+        lines.append("")
+    if failures:
+        lines += ["## failed scenarios", "", *(f"- {failure}" for failure in failures), ""]
+    return "\n".join(lines)
+
+
+def chart(figures: list[Figure], path: str) -> None:
+    """Throughput per system and latency percentiles, side by side."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'belay[bench]'): no chart")
+        return
+    throughput = [f for f in figures if f.section == "throughput" and f.unit == "jobs/s"
+                  and not math.isnan(f.value)]
+    latency = [f for f in figures if f.section == "latency" and f.unit == "ms"
+               and not math.isnan(f.value)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 7))
+    names = [f.name for f in throughput]
+    left.barh(names, [f.value for f in throughput],
+              color=["tab:blue" if _system(f) == "belay" else "tab:gray" for f in throughput])
+    left.set_xlabel("jobs/s")
+    left.set_title("Throughput (no-op jobs)")
+    left.invert_yaxis()
+    right.barh([f.name for f in latency], [f.value for f in latency], color="tab:orange")
+    right.set_xlabel("ms")
+    right.set_title("Dispatch latency")
+    right.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
