@@ -16,6 +16,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from psycopg import sql
 import belay
 import belay.sql
 from belay import ContractMismatch, SchemaMissing, SchemaOutdated, SchemaStatus
+from belay.sql import QUERIES
 from tests.helpers import START as NOW
 from tests.helpers import url_for
 
@@ -427,12 +429,9 @@ def test_migration_3_claim_order_index_puts_null_ready_at_first(db_url: str) -> 
 
 # -- DESIGN.md deliberate difference 1: the claim uses the ordered index ------------------
 
-CLAIM_READY = """
-SELECT id FROM belay_jobs
-WHERE queue = %s AND state = 'ready' AND (ready_at IS NULL OR ready_at <= %s)
-ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC
-LIMIT 10 FOR UPDATE SKIP LOCKED
-"""
+#: The claim's own ready-set select (its first CTE), as the worker runs it.
+CLAIM_READY = QUERIES["claim"].split("WITH ready AS (", 1)[1].split("), due AS", 1)[0]
+CLAIM_PARAMS = {"queue": "q1", "now": NOW, "take": 10}
 
 
 def _fill_ready_set(conn: psycopg.Connection[Any]) -> None:
@@ -462,7 +461,7 @@ def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def _explain_claim(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
-    row = conn.execute(f"EXPLAIN (FORMAT JSON) {CLAIM_READY}", ("q1", NOW)).fetchone()
+    row = conn.execute(f"EXPLAIN (FORMAT JSON) {CLAIM_READY}", CLAIM_PARAMS).fetchone()
     assert row is not None
     document = row[0] if not isinstance(row[0], str) else json.loads(row[0])
     return list(_plan_nodes(document[0]["Plan"]))
@@ -480,7 +479,7 @@ def test_claim_select_uses_claim_order_index_without_sorting(
     assert not [n["Node Type"] for n in nodes if "Sort" in n["Node Type"]], nodes
     # And the query really returns the claim order: priority 0 first, NULL ready_at
     # before any timestamp, then id.
-    ids = [r[0] for r in sql_conn.execute(CLAIM_READY, ("q1", NOW)).fetchall()]
+    ids = [r[0] for r in sql_conn.execute(CLAIM_READY, CLAIM_PARAMS).fetchall()]
     expected = sql_conn.execute(
         """
         SELECT id FROM belay_jobs
@@ -490,6 +489,40 @@ def test_claim_select_uses_claim_order_index_without_sorting(
         (NOW,),
     ).fetchall()
     assert ids == [r[0] for r in expected]
+
+
+def test_the_claim_reads_the_index_in_order_before_the_first_analyze(
+    sql_conn: psycopg.Connection[Any],
+) -> None:
+    """A burst of jobs into a table autovacuum has not analyzed yet (its planner
+    statistics say "never counted"), most of them already worked off: the claim
+    must still walk the index in order. With "ready_at IS NULL OR ready_at <= now"
+    this very setup made PostgreSQL bitmap-scan both ranges and sort all 30,000
+    jobs left on every claim (26 ms against 1.9 ms)."""
+    sql_conn.execute("ALTER TABLE belay_jobs SET (autovacuum_enabled = false)")
+    sql_conn.execute(
+        """
+        INSERT INTO belay_jobs (kind, queue, state, ready_at, inserted_at)
+        SELECT 'k', 'q1', 'ready', %(now)s - interval '1 minute', %(now)s
+        FROM generate_series(1, 200000)
+        """,
+        {"now": NOW},
+    )
+    # Claimed, then acked, as a worker would have: two new row versions each.
+    sql_conn.execute("UPDATE belay_jobs SET state = 'running' WHERE id <= 170000")
+    sql_conn.execute("UPDATE belay_jobs SET state = 'succeeded' WHERE id <= 170000")
+    assert sql_conn.execute("SELECT reltuples FROM pg_class WHERE relname = 'belay_jobs'"
+                            ).fetchone() == (-1,)
+    params = {"queue": "q1", "take": 100, "node": "n", "now": NOW,
+              "lease_until": NOW + timedelta(seconds=30)}
+    with sql_conn.transaction():
+        row = sql_conn.execute(f"EXPLAIN (FORMAT JSON) {QUERIES['claim']}", params).fetchone()
+    assert row is not None
+    document = row[0] if not isinstance(row[0], str) else json.loads(row[0])
+    nodes = list(_plan_nodes(document[0]["Plan"]))
+    scans = {n.get("Index Name"): n["Node Type"] for n in nodes if n.get("Index Name")}
+    assert scans.get("belay_jobs_claim_order_idx") == "Index Scan", scans
+    assert not [n["Node Type"] for n in nodes if "Bitmap" in n["Node Type"]], scans
 
 
 def test_reference_claim_index_alone_would_sort(sql_conn: psycopg.Connection[Any]) -> None:

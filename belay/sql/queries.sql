@@ -211,10 +211,15 @@ WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s;
 -- ready jobs in claim order straight off belay_jobs_claim_order_idx (no sort
 -- of the ready set), and awaiting jobs whose deadline is due. Only the merge
 -- of at most 2 × take candidates is sorted. Unpicked candidates stay locked
--- until the statement ends, a few milliseconds.
+-- until the statement ends, a few milliseconds. "Due" is one COALESCE, not
+-- "IS NULL OR <=": with the OR, a planner whose statistics lag a burst of
+-- inserts (a table never analyzed yet) reads both index ranges into a bitmap
+-- and sorts the whole ready set — measured 26 ms against 1.9 ms per claim of
+-- 100 with 30k jobs ready.
 WITH ready AS (
   SELECT id, priority, ready_at FROM belay_jobs
-  WHERE queue = %(queue)s AND state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s)
+  WHERE queue = %(queue)s AND state = 'ready'
+    AND COALESCE(ready_at, '-infinity') <= %(now)s
   ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC
   LIMIT %(take)s
   FOR UPDATE SKIP LOCKED
@@ -244,7 +249,7 @@ RETURNING {job_columns};
 SELECT q AS queue FROM unnest(%(queues)s::text[]) AS q
 WHERE EXISTS (
   SELECT 1 FROM belay_jobs
-  WHERE queue = q AND state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s)
+  WHERE queue = q AND state = 'ready' AND COALESCE(ready_at, '-infinity') <= %(now)s
 ) OR EXISTS (
   SELECT 1 FROM belay_jobs
   WHERE queue = q AND state = 'awaiting' AND ready_at IS NOT NULL AND ready_at <= %(now)s
