@@ -75,12 +75,15 @@ def markdown(figures: list[Figure], machine: dict[str, str], *, quick: bool,
         lines += [f"## {section}", "",
                   "| figure | value | baseline | ratio | target | met | note |",
                   "|---|---:|---|---:|---|:-:|---|"]
+        previous = ""
         for f in rows:
             baseline = "" if f.baseline is None else (
                 f"{f.baseline}: {_number(f.baseline_value)} {f.unit}")
             met = "" if f.met is None else ("yes" if f.met else "**no**")
             ratio = "" if f.ratio is None else f"{f.ratio:.2f}"
             note = f.note.replace("|", "\\|").replace("\n", " ")
+            # A method shared by several rows is said once.
+            note, previous = ("as above" if note and note == previous else note), note
             lines.append(f"| {f.name} | {_number(f.value)} {f.unit} | {baseline} | {ratio} | "
                          f"{f.target or ''} | {met} | {note} |")
         lines.append("")
