@@ -13,8 +13,9 @@ Threads (all named, all stopping within their wait timeouts):
 - ``belay-exec-<n>``: run the jobs, then ack each with one fenced UPDATE (§7) —
   except a success that settles nothing (no workflow, no parent), which goes to
 - ``belay-acker``: acks every such success waiting in one statement, each row
-  fenced on its own attempt (deliberate difference 2); the job's slot is free
-  as soon as its function returns, its lease held until the ack lands;
+  fenced on its own attempt (deliberate difference 2); the executor thread is
+  free as soon as the function returns, the job's slot (and lease) until the
+  ack lands;
 - ``belay-heartbeat``: renews every local lease in one statement each
   ``lease_ttl / 3`` and enforces timeouts; a lease not renewed is lost, and its
   execution may never ack;
@@ -663,23 +664,23 @@ class Worker:
                     self._release(execution)
 
     def _release(self, execution: Execution) -> None:
-        """Free the slot; forget the execution too unless its ack is pending
-        (then the acker does, once the ack lands)."""
-        owner: _Queue | None = execution.owner
-        with self._lock:
-            if not execution.ack_pending:
-                self._executions.pop(execution.key, None)
-            if owner is not None:
-                owner.inflight -= 1
+        """Forget the execution and free its slot — unless its ack is pending:
+        then the acker does, once the ack lands. The slot stays taken until
+        then, so a queue never holds more claimed-but-unacked jobs than its
+        limit: the claims wait for the acks (backpressure), instead of
+        running ahead of them."""
         if not execution.ack_pending:
-            execution.done.set()
-        if owner is not None:
-            owner.wake.set()
+            self._forget(execution)
 
     def _forget(self, execution: Execution) -> None:
+        owner: _Queue | None = execution.owner
         with self._lock:
             self._executions.pop(execution.key, None)
+            if owner is not None:
+                owner.inflight -= 1
         execution.done.set()
+        if owner is not None:
+            owner.wake.set()
 
     def execute(self, execution: Execution) -> str:
         """Run one claimed execution and ack it; returns the outcome recorded."""

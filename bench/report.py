@@ -113,7 +113,8 @@ def chart(figures: list[Figure], path: str) -> None:
     left.set_xlabel("jobs/s")
     left.set_title("Throughput (no-op jobs)")
     left.invert_yaxis()
-    right.barh([f.name for f in latency], [f.value for f in latency], color="tab:orange")
+    right.barh([f.name for f in latency], [f.value for f in latency],
+               color=["tab:gray" if f.name.startswith("raw") else "tab:orange" for f in latency])
     right.set_xlabel("ms")
     right.set_title("Dispatch latency")
     right.invert_yaxis()

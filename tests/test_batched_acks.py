@@ -204,3 +204,46 @@ def test_drain_acks_before_it_returns(client, sql_conn) -> None:
     assert worker.drain() == {"succeeded": 5}
     for job in jobs:
         assert job_row(sql_conn, job.id)["state"] == "succeeded"
+
+
+def test_a_slot_stays_taken_until_its_ack_lands(client, sql_conn, monkeypatch) -> None:
+    """Backpressure: while the acker is held up, a queue claims no more than its
+    limit — done-but-unacked jobs keep their slots, so claims can't run ahead
+    of acks (and pile up claimed rows in memory)."""
+    real = store.ack_succeeded_many
+    held = threading.Event()
+    gate = threading.Event()
+
+    def slow_ack(conn: Any, acks: Any, *args: Any, **kwargs: Any) -> set[int]:
+        held.set()
+        assert gate.wait(15)
+        return real(conn, acks, *args, **kwargs)
+
+    monkeypatch.setattr(store, "ack_succeeded_many", slow_ack)
+    reg = belay.Registry()
+    lock = threading.Lock()
+    started: list[int] = []
+    sixth = threading.Event()
+
+    @belay.worker(name="pressed", registry=reg)
+    def pressed(ctx: belay.Context) -> Any:
+        with lock:
+            started.append(ctx.id)
+            if len(started) > 5:
+                sixth.set()
+        return None
+
+    worker = make_worker(client, reg, {"default": 5})
+    ends = Ends(worker)
+    client.enqueue_many([{"kind": pressed} for _ in range(20)])
+    with running(worker):
+        assert held.wait(10)
+        # The first five ran; their acks wait; no sixth job may start meanwhile
+        # (a window of many busy polls: the producer is not starved of chances).
+        assert not sixth.wait(0.5), started
+        assert sql_conn.execute("SELECT count(*) FROM belay_jobs WHERE state = 'running'"
+                                ).fetchone() == (5,)
+        gate.set()
+        ends.wait_for(20)
+    assert {e.outcome for e in ends.events} == {"succeeded"}
+    assert len(started) == 20
