@@ -39,9 +39,12 @@ def test_targets_compare_belay_with_two_processes_to_each_best_baseline() -> Non
     ]
     targets = {t.baseline: t for t in derive_targets(figures)}
     # Procrastinate was not measured (NaN): no verdict is invented for it.
-    assert set(targets) == {"raw SQL ceiling, claim 50", "PgQueuer batch 100, 2 processes"}
+    assert set(targets) == {"raw SQL ceiling, claim 50", "PgQueuer defaults, 2 processes",
+                            "PgQueuer batch 100, 2 processes"}
     ceiling = targets["raw SQL ceiling, claim 50"]
     assert (ceiling.value, ceiling.ratio, ceiling.met) == (16_000.0, 16_000 / 30_000, True)
+    assert (targets["PgQueuer defaults, 2 processes"].ratio,
+            targets["PgQueuer defaults, 2 processes"].met) == (3.2, True)
     peer = targets["PgQueuer batch 100, 2 processes"]
     assert (peer.ratio, peer.met) == (1.6, True)
     report = markdown(figures + list(targets.values()), {"CPU": "test"}, quick=True,
