@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg_pool import ConnectionPool
@@ -69,6 +69,8 @@ from belay.retention import DEFAULT_SIGNAL_TTL, PRUNE_INTERVAL, keep_ok, parse_r
 from belay.retention import prune as prune_once
 
 log = logging.getLogger("belay.worker")
+
+T = TypeVar("T")
 
 #: A job whose kind no worker here knows goes back this far into the future.
 UNKNOWN_KIND_SNOOZE = 60.0
@@ -829,24 +831,34 @@ class Worker:
             log.warning("belay: job %d attempt %d finished after its worker stopped; its "
                         "lease will lapse and it will be reclaimed", job.id, job.attempt)
             return False
+        def write(conn: psycopg.Connection[Any]) -> store.Acked | None:
+            with conn.transaction():
+                acked = store.ack(conn, job, outcome.kind, self._now(), result=outcome.result,
+                                  error=outcome.error, at=outcome.at)
+                if acked is not None:
+                    self._notify_acked(conn, acked)
+            return acked
+
+        done, acked = self._write_ack(f"ack of job {job.id}", write)
+        if done and acked is None:
+            log.warning("belay: stale ack for job %d attempt %d discarded (the job was "
+                        "reclaimed)", job.id, job.attempt)
+        return acked is not None
+
+    def _write_ack(self, what: str, write: Callable[[psycopg.Connection[Any]], T]
+                   ) -> tuple[bool, T | None]:
+        """Run an ack on a pooled connection, three tries when the database
+        blinks; (False, None) once it stays away — the leases then lapse and
+        the jobs are reclaimed (at-least-once)."""
+        assert self._pool is not None
         for attempt in range(3):
             try:
-                with self._pool.connection() as conn, conn.transaction():
-                    acked = store.ack(conn, job, outcome.kind, self._now(),
-                                      result=outcome.result, error=outcome.error, at=outcome.at)
-                    if acked is not None:
-                        self._notify_acked(conn, acked)
-                if acked is None:
-                    log.warning("belay: stale ack for job %d attempt %d discarded (the job was "
-                                "reclaimed)", job.id, job.attempt)
-                return acked is not None
+                with self._pool.connection() as conn:
+                    return True, write(conn)
             except psycopg.OperationalError:
-                # The database blinked: try again; if it stays down the lease
-                # lapses and the job is reclaimed (at-least-once).
-                log.warning("belay: ack of job %d failed (try %d)", job.id, attempt + 1,
-                            exc_info=True)
+                log.warning("belay: %s failed (try %d)", what, attempt + 1, exc_info=True)
                 self._halted.wait(0.2 * (attempt + 1))
-        return False
+        return False, None
 
     # -- Batched acks (deliberate difference 2) -------------------------------------------
 
@@ -902,25 +914,15 @@ class Worker:
                 return
 
     def _ack_batch(self, batch: list[_PendingAck]) -> None:
-        assert self._pool is not None
         rows = [(p.execution.job, p.result) for p in batch]
-        acked: set[int] = set()
-        for attempt in range(3):
-            try:
-                with self._pool.connection() as conn:
-                    acked = store.ack_succeeded_many(
-                        conn, rows, self._now(), self._channel if self.notify else None)
-                break
-            except psycopg.OperationalError:
-                # As for a single ack: retry; if the database stays away the
-                # leases lapse and the jobs are reclaimed (at-least-once).
-                log.warning("belay: batched ack of %d jobs failed (try %d)", len(batch),
-                            attempt + 1, exc_info=True)
-                self._halted.wait(0.2 * (attempt + 1))
+        channel = self._channel if self.notify else None
+        done, acked = self._write_ack(
+            f"batched ack of {len(batch)} jobs",
+            lambda conn: store.ack_succeeded_many(conn, rows, self._now(), channel))
         for pending in batch:
             job = pending.execution.job
-            kind = "succeeded" if job.id in acked else "stale"
-            if kind == "stale":
+            kind = "succeeded" if acked is not None and job.id in acked else "stale"
+            if done and kind == "stale":
                 log.warning("belay: stale ack for job %d attempt %d discarded (the job was "
                             "reclaimed)", job.id, job.attempt)
             self._finished(job, kind, pending.duration, None)

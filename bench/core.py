@@ -165,10 +165,6 @@ class Proc:
                 return
         raise RuntimeError(f"{self.popen.args!r} not ready after {timeout}s")
 
-    def read_line(self) -> str:
-        assert self.popen.stdout is not None
-        return self.popen.stdout.readline()
-
     def stop(self, timeout: float = 30.0) -> int:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -203,6 +203,16 @@ def _stale_acks(jobs: Iterable[Row], acks: Mapping[int, list[Row]]) -> Invariant
     return inv
 
 
+def _ledgered(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
+              kind: str) -> Iterator[tuple[int, Row, Row]]:
+    """The driver's ledger entries of one kind whose job is in the database:
+    (job id, ledger row, job row)."""
+    for job_id, row in ledger.items():
+        job = jobs.get(job_id)
+        if row["kind"] == kind and job is not None:
+            yield job_id, row, job
+
+
 def _steps(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
            steps: Mapping[int, Mapping[str, list[Any]]]) -> Invariant:
     inv = Invariant("steps-exact", "§11.3",
@@ -224,10 +234,7 @@ def _steps(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
                 want = 1
             if want is not None and value != want:
                 inv.fail(job_id, f"job {job_id} step {name} journaled {value!r}, wanted {want!r}")
-    for job_id, row in ledger.items():
-        job = jobs.get(job_id)
-        if row["kind"] != "step" or job is None:
-            continue
+    for job_id, row, job in _ledgered(jobs, ledger, "step"):
         want = row["expected"]["value"]
         if job["state"] != "succeeded":
             inv.fail(job_id, f"step job {job_id} ended {job['state']}: "
@@ -249,10 +256,7 @@ def _budget(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
                     f"budget jobs fail budget_exceeded with exactly {BUDGET_ALLOWED} steps "
                     "(the first crossing one) and never run a step past it")
     want_spend = round(BUDGET_ALLOWED * STEP_USD * 1_000_000)
-    for job_id, row in ledger.items():
-        job = jobs.get(job_id)
-        if row["kind"] != "budget" or job is None:
-            continue
+    for job_id, _, job in _ledgered(jobs, ledger, "budget"):
         recorded = sorted(steps.get(job_id, {}))
         errors = job["errors"] or []
         last = errors[-1] if errors else {}
@@ -279,9 +283,8 @@ def _workflows(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
                     "members run only after their deps succeeded (order by effects), doomed "
                     "members never run, settlement is a fixpoint")
     flows: dict[str, list[Row]] = defaultdict(list)
-    for job_id, row in ledger.items():
-        if row["kind"] == "flow" and job_id in jobs:
-            flows[row["expected"]["wf"]].append(jobs[job_id])
+    for _, row, job in _ledgered(jobs, ledger, "flow"):
+        flows[row["expected"]["wf"]].append(job)
     for wf, members in flows.items():
         by_name = {m["wf_name"]: m for m in members}
         doomed = any(ledger[m["id"]]["expected"].get("doomed") for m in members)
@@ -381,10 +384,7 @@ def _children(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
               children: Mapping[int, list[Row]]) -> Invariant:
     inv = Invariant("children-exact", "§11.8",
                     "each parent has exactly its declared children and their exact results")
-    for job_id, row in ledger.items():
-        job = jobs.get(job_id)
-        if row["kind"] != "parent" or job is None:
-            continue
+    for job_id, row, job in _ledgered(jobs, ledger, "parent"):
         vs = job["input"]["vs"]
         kids = sorted(children.get(job_id, ()), key=lambda k: k["id"])
         keys = sorted(k["unique_key"] or "" for k in kids)
@@ -408,10 +408,7 @@ def _awaiters(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
               signals: Mapping[tuple[str, str], Any]) -> Invariant:
     inv = Invariant("awaiters-ran", "§11.9",
                     "every awaiter whose signal was delivered ran to the signal's payload")
-    for job_id, row in ledger.items():
-        job = jobs.get(job_id)
-        if row["kind"] != "awaiter" or job is None:
-            continue
+    for job_id, _, job in _ledgered(jobs, ledger, "awaiter"):
         key = (f"job:{job_id}", "go")
         if key not in signals:
             inv.fail(job_id, f"awaiter {job_id} never got its signal (driver bug)")

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import belay
 from belay import store
+from belay.context import Execution
 from belay.job import Job
 from tests.helpers import START, Ends, job_row, running_job
 from tests.test_worker import make_worker, running
@@ -247,3 +249,32 @@ def test_a_slot_stays_taken_until_its_ack_lands(client, sql_conn, monkeypatch) -
         ends.wait_for(20)
     assert {e.outcome for e in ends.events} == {"succeeded"}
     assert len(started) == 20
+
+
+def test_a_direct_execute_on_a_started_worker_acks_before_it_returns(
+    client, sql_conn, monkeypatch
+) -> None:
+    """Only executor threads hand successes to the acker: a caller running an
+    execution itself (tests, scripts) finds it acked when ``execute`` returns,
+    even while the acker is held up."""
+    gate = threading.Event()
+    real = store.ack_succeeded_many
+
+    def held(conn: Any, acks: Any, *args: Any, **kwargs: Any) -> set[int]:
+        assert gate.wait(15)
+        return real(conn, acks, *args, **kwargs)
+
+    monkeypatch.setattr(store, "ack_succeeded_many", held)
+    reg = belay.Registry()
+    definition = belay.worker(name="direct", registry=reg)(lambda ctx: "mine")
+    worker = make_worker(client, reg, {"elsewhere": 1})  # its producer never sees the job
+    job = client.enqueue("direct")
+    with running(worker):
+        (claimed,) = store.claim(sql_conn, "default", 1, "test-node", START,
+                                 START + timedelta(seconds=30))
+        try:
+            assert worker.execute(Execution(claimed, definition, None)) == "succeeded"
+            row = job_row(sql_conn, job.id)
+        finally:
+            gate.set()
+    assert row["state"] == "succeeded"
