@@ -153,6 +153,10 @@ def queue_stats(conn: Conn) -> list[dict[str, Any]]:
     return _rows(conn, "queue_stats")
 
 
+def finished_since(conn: Conn, since: datetime) -> list[dict[str, Any]]:
+    return _rows(conn, "finished_since", (since,))
+
+
 def list_steps(conn: Conn, job_id: int) -> list[Step]:
     return [Step.from_row(r) for r in _rows(conn, "list_steps", (job_id,))]
 

@@ -116,6 +116,13 @@ SELECT queue, state, count(*) AS count,
        COALESCE(sum(spent_tokens), 0)::bigint AS spent_tokens
 FROM belay_jobs GROUP BY queue, state ORDER BY queue, state;
 
+-- name: finished_since
+-- Jobs finished per queue and outcome since a moment (the dashboard's rates);
+-- reads the (state, finished_at) retention index.
+SELECT queue, state, count(*) AS count FROM belay_jobs
+WHERE state IN ('succeeded', 'failed', 'cancelled') AND finished_at >= %s
+GROUP BY queue, state;
+
 -- name: list_steps
 SELECT seq, name, value, usd_micros, tokens, inserted_at
 FROM belay_steps WHERE job_id = %s ORDER BY seq;

@@ -1,0 +1,267 @@
+"""What the operator surfaces (CLI, MCP server, dashboard) share.
+
+JSON-ready views of jobs, steps, events, workflows and queues, and the
+mutations an operator (or an agent) may ask for, each checked by a
+:class:`Guard` before anything is written. Views take rows already read;
+the few functions here that read take a :class:`~belay.client.Belay`.
+
+An authorizer is a callable ``authorize(tool, args)`` called before every
+mutation. It allows by returning ``None`` or ``True``; it refuses by
+returning ``False`` or a message (a ``str``), or by raising — the refusal's
+message reaches whoever asked.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Final
+
+from belay import store
+from belay.codec import Opaque
+from belay.errors import BelayError, ConfigurationError, ValidationError
+from belay.job import STATES, Event, Job, Step, WorkflowStatus
+
+#: The mutations every surface offers, by the MCP tool name each has.
+MUTATIONS: Final = ("retry_job", "cancel_job", "signal", "steer_job")
+
+#: How far back a queue's "rate" looks: jobs finished per minute.
+RATE_WINDOW = timedelta(seconds=60)
+
+Authorizer = Callable[[str, dict[str, Any]], object]
+
+
+class Refused(BelayError, PermissionError):
+    """A mutation was refused: mutations are off, or the authorizer said no."""
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON types: datetimes as ISO 8601, undecodable values
+    and anything else JSON has no word for as a descriptive string."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, Opaque):
+        return f"<opaque: {len(value.data)} bytes, {value.reason}>"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"<{len(bytes(value))} bytes>"
+    return repr(value)
+
+
+def job_view(job: Job) -> dict[str, Any]:
+    """Every field of a job row, with the result decoded."""
+    return {
+        "id": job.id, "kind": job.kind, "queue": job.queue, "state": job.state,
+        "attempt": job.attempt, "max_attempts": job.max_attempts, "priority": job.priority,
+        "input": jsonable(job.input), "meta": jsonable(job.meta),
+        "result": jsonable(job.result), "errors": jsonable(job.errors),
+        "partition_key": job.partition_key, "unique_key": job.unique_key,
+        "workflow_id": job.workflow_id, "wf_name": job.wf_name, "wf_deps": job.wf_deps,
+        "parent_id": job.parent_id, "cron_name": job.cron_name,
+        "await_scope": job.await_scope, "await_name": job.await_name,
+        "leased_by": job.leased_by, "cancel_requested": job.cancel_requested,
+        "budget_usd": job.budget_usd, "budget_tokens": job.budget_tokens,
+        "spent_usd": job.spent_usd, "spent_tokens": job.spent_tokens,
+        "ready_at": jsonable(job.ready_at), "lease_until": jsonable(job.lease_until),
+        "inserted_at": jsonable(job.inserted_at), "started_at": jsonable(job.started_at),
+        "finished_at": jsonable(job.finished_at),
+    }
+
+
+def job_line(job: Job) -> dict[str, Any]:
+    """The short form a list shows."""
+    return {
+        "id": job.id, "kind": job.kind, "queue": job.queue, "state": job.state,
+        "attempt": job.attempt, "max_attempts": job.max_attempts,
+        "workflow_id": job.workflow_id, "wf_name": job.wf_name, "parent_id": job.parent_id,
+        "spent_usd": job.spent_usd, "spent_tokens": job.spent_tokens,
+        "inserted_at": jsonable(job.inserted_at), "finished_at": jsonable(job.finished_at),
+    }
+
+
+def step_view(step: Step) -> dict[str, Any]:
+    return {
+        "seq": step.seq, "name": step.name, "value": jsonable(step.value),
+        "usd": step.usd, "tokens": step.tokens, "inserted_at": jsonable(step.inserted_at),
+    }
+
+
+def event_view(event: Event) -> dict[str, Any]:
+    return {"seq": event.seq, "payload": jsonable(event.payload),
+            "inserted_at": jsonable(event.inserted_at)}
+
+
+def workflow_view(status: WorkflowStatus) -> dict[str, Any]:
+    """A workflow's members as a graph: nodes by name, edges from each dependency."""
+    members = [
+        {"name": job.wf_name, "id": job.id, "kind": job.kind, "state": job.state,
+         "deps": list(job.wf_deps), "ignore": list(job.wf_ignore)}
+        for job in status.jobs
+    ]
+    return {
+        "workflow_id": status.workflow_id, "total": status.total, "done": status.done,
+        "counts": status.state_counts, "jobs": members,
+        "edges": [[dep, m["name"]] for m in members for dep in m["deps"]],
+    }
+
+
+def job_detail(client: Any, job_id: int) -> dict[str, Any] | None:
+    """A job with its step journal (and the journal's cost), events, children
+    and workflow; None when there is no such job."""
+    with client.connection() as conn:
+        job = store.get_job(conn, job_id)
+        if job is None:
+            return None
+        steps = store.list_steps(conn, job_id)
+        events = store.list_events(conn, job_id, 0)
+        children = store.children(conn, job_id)
+        members = (store.workflow_jobs(conn, job.workflow_id)
+                   if job.workflow_id is not None else None)
+    return {
+        "job": job_view(job),
+        "steps": [step_view(s) for s in steps],
+        "journal_cost": {"usd": sum(s.usd_micros for s in steps) / 1_000_000,
+                         "tokens": sum(s.tokens for s in steps)},
+        "events": [event_view(e) for e in events],
+        "children": [job_line(kid) for kid in children],
+        "workflow": (None if members is None or job.workflow_id is None
+                     else workflow_view(WorkflowStatus(job.workflow_id, members))),
+    }
+
+
+def queue_overview(client: Any) -> list[dict[str, Any]]:
+    """One entry per queue that has jobs or a ``belay_queues`` row: counts by
+    state, spend, jobs finished in the last minute by outcome, and the row's
+    options (limit, global_limit, rate, partition, paused)."""
+    now = client.now()
+    with client.connection() as conn:
+        counts = store.queue_stats(conn)
+        finished = store.finished_since(conn, now - RATE_WINDOW)
+        rows = store.list_queues(conn)
+    queues: dict[str, dict[str, Any]] = {}
+
+    def entry(name: str) -> dict[str, Any]:
+        return queues.setdefault(name, {
+            "queue": name, "counts": dict.fromkeys(STATES, 0), "total": 0,
+            "spent_usd": 0.0, "spent_tokens": 0,
+            "last_minute": {"succeeded": 0, "failed": 0, "cancelled": 0},
+            "options": None, "paused": False,
+        })
+
+    for row in counts:
+        tile = entry(row["queue"])
+        tile["counts"][row["state"]] = row["count"]
+        tile["total"] += row["count"]
+        tile["spent_usd"] += row["spent_usd_micros"] / 1_000_000
+        tile["spent_tokens"] += row["spent_tokens"]
+    for row in finished:
+        entry(row["queue"])["last_minute"][row["state"]] = row["count"]
+    for name, opts in rows.items():
+        tile = entry(name)
+        tile["options"] = jsonable({k: v for k, v in opts.items() if k != "paused"})
+        tile["paused"] = bool(opts.get("paused"))
+    return [queues[name] for name in sorted(queues)]
+
+
+# -- Mutations ---------------------------------------------------------------------
+
+
+def load_authorizer(spec: str) -> Authorizer:
+    """``module:callable`` → the callable, imported now; a clear error otherwise."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigurationError(
+            f"an authorizer is given as module:callable (like myapp.guards:authorize), "
+            f"got {spec!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"authorizer {spec!r}: cannot import {module_name!r}: "
+                                 f"{exc}") from None
+    target: Any = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ConfigurationError(f"authorizer {spec!r}: {module_name!r} has no {attr!r}")
+    if not callable(target):
+        raise ConfigurationError(f"authorizer {spec!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Who may mutate: nobody (the default), everybody (``allow``), or whoever
+    ``authorizer`` lets through."""
+
+    allow: bool = False
+    authorizer: Authorizer | None = None
+
+    @property
+    def read_only(self) -> bool:
+        return not self.allow and self.authorizer is None
+
+    def check(self, tool: str, args: dict[str, Any]) -> None:
+        """Return if ``tool`` may run with ``args``; raise :class:`Refused` if not."""
+        if self.authorizer is not None:
+            try:
+                verdict = self.authorizer(tool, dict(args))
+            except Exception as exc:
+                raise Refused(f"{tool} refused by the authorizer: {exc}") from None
+            if verdict is None or verdict is True:
+                return
+            reason = verdict if isinstance(verdict, str) and verdict else "not authorized"
+            raise Refused(f"{tool} refused by the authorizer: {reason}")
+        if self.allow:
+            return
+        raise Refused(
+            f"{tool} is refused: mutations are disabled. Start with --allow-mutations "
+            "(a trusted local client) or --authorizer module:callable"
+        )
+
+
+def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """Run one of :data:`MUTATIONS` after ``guard`` allows it; returns what
+    happened as JSON-ready data. Bad arguments raise ValidationError before the
+    guard is asked."""
+    if tool not in MUTATIONS:
+        raise ValidationError(f"unknown mutation {tool!r}; mutations are {', '.join(MUTATIONS)}")
+    job_id = _int_arg(args, "job_id")
+    if tool == "signal":
+        name = args.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValidationError("signal needs name, a non-empty string")
+        payload = args.get("payload") or {}
+        if not isinstance(payload, Mapping):
+            raise ValidationError(f"a signal payload is a JSON object, got {payload!r}")
+        guard.check(tool, {"job_id": job_id, "name": name, "payload": dict(payload)})
+        woken = client.signal_job(job_id, name, dict(payload))
+        return {"job_id": job_id, "signal": name, "woken": woken}
+    if tool == "steer_job":
+        payload = args.get("payload")
+        if not isinstance(payload, Mapping):
+            raise ValidationError(f"steering is a JSON object like {{\"instruction\": \"…\"}}, "
+                                  f"got {payload!r}")
+        guard.check(tool, {"job_id": job_id, "payload": dict(payload)})
+        woken = client.steer_job(job_id, dict(payload))
+        return {"job_id": job_id, "steered": True, "woken": woken}
+    guard.check(tool, {"job_id": job_id})
+    if tool == "cancel_job":
+        return {"job_id": job_id, "status": client.cancel_job(job_id)}
+    return {"job_id": job_id, "job": job_view(client.retry_job(job_id))}
+
+
+def _int_arg(args: Mapping[str, Any], name: str) -> int:
+    value = args.get(name)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValidationError(f"{name} is a job id (an integer >= 1), got {value!r}")
+    return value
