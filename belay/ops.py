@@ -100,7 +100,7 @@ def event_view(event: Event) -> dict[str, Any]:
 
 def workflow_view(status: WorkflowStatus) -> dict[str, Any]:
     """A workflow's members as a graph: nodes by name, edges from each dependency."""
-    members = [
+    members: list[dict[str, Any]] = [
         {"name": job.wf_name, "id": job.id, "kind": job.kind, "state": job.state,
          "deps": list(job.wf_deps), "ignore": list(job.wf_ignore)}
         for job in status.jobs
@@ -108,7 +108,7 @@ def workflow_view(status: WorkflowStatus) -> dict[str, Any]:
     return {
         "workflow_id": status.workflow_id, "total": status.total, "done": status.done,
         "counts": status.state_counts, "jobs": members,
-        "edges": [[dep, m["name"]] for m in members for dep in m["deps"]],
+        "edges": [[dep, job.wf_name] for job in status.jobs for dep in job.wf_deps],
     }
 
 
