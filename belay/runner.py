@@ -92,14 +92,52 @@ class _PendingAck:
     execution: Execution
     result: bytes | None
     duration: float
+
+
+#: Every ``JobEnd.outcome``, as documented on :class:`JobEnd`.
+OUTCOMES = ("succeeded", "retry", "failed", "cancelled", "snooze", "await", "woken", "stale",
+            "timeout", "lost", "crashed")
+
+
 @dataclass(frozen=True)
 class JobEnd:
-    """What a ``on_job_end`` hook receives once per finished execution."""
+    """What an ``on_job_end`` hook receives once per finished execution.
+
+    ``outcome`` is one of :data:`OUTCOMES`:
+
+    - ``succeeded``: the function returned and the result was stored;
+    - ``retry``: it raised (or its result could not be stored) and the job runs
+      again after its backoff; ``failed``: the same with no attempt left, or a
+      budget exceeded, or a step value refused;
+    - ``cancelled``: it raised ``Cancel``, or an operator's cancel reached it;
+    - ``snooze``: it raised ``Snooze`` or slept durably (no attempt used), or
+      its input could not be decrypted here, or another job of its chunk took
+      the chunk down with its own control flow;
+    - ``await``: it parked waiting for a signal; ``woken``: it parked but the
+      signal was already there, so it is ready again at once;
+    - ``stale``: the ack was discarded — the job was reclaimed meanwhile, or
+      the database stayed away (the lease lapses and it is reclaimed);
+    - ``timeout``: it ran past its ``timeout`` (the attempt was failed at the
+      deadline); ``lost``: the lease was lost while it ran. In both its
+      result or error was discarded;
+    - ``crashed``: recording the run failed unexpectedly (logged); the lease
+      lapses and the job is reclaimed.
+
+    ``duration`` is in seconds of ``time.monotonic()``, from the claim (for
+    a chunk, from the chunk's start) to the end of the run. ``error`` is what
+    was recorded: the errors entry (``{"error": "Type: message", "attempt": n,
+    "traceback": …}``) for ``retry`` and ``failed``, ``{"reason": …}`` for
+    ``cancelled``, a message when the input could not be decrypted, else None.
+    ``exception`` is what the function raised (belay's own control flow
+    included: ``Snooze``, ``Cancel``, a park or a durable sleep), None when it
+    returned.
+    """
 
     job: Job
-    outcome: str  # succeeded | retry | failed | cancelled | snooze | stale | timeout | lost
+    outcome: str
     duration: float
     error: Any = None
+    exception: BaseException | None = None
 
 
 def _pool_size(specs: Iterable[QueueSpec]) -> int:
@@ -211,6 +249,10 @@ class Worker:
                     f"shortest retention ({min(kept):g} s); shorten catch_up or keep jobs longer"
                 )
         self._hooks: list[Callable[[JobEnd], None]] = []
+        self._start_hooks: list[Callable[[Job], None]] = []
+        self._stop_hooks: list[Callable[[], None]] = []
+        #: Executions whose start was reported and whose end not yet.
+        self._open: set[tuple[int, int]] = set()
         # Reentrant: start() applies the first queue set while holding it.
         self._lock = threading.RLock()
         self._executions: dict[tuple[int, int], Execution] = {}
@@ -249,9 +291,22 @@ class Worker:
 
     # -- Lifecycle -------------------------------------------------------------------
 
+    def on_job_start(self, hook: Callable[[Job], None]) -> Callable[[Job], None]:
+        """Call ``hook(job)`` as each execution starts, on its thread, before the
+        function runs; usable as a decorator. A hook that raises is logged."""
+        self._start_hooks.append(hook)
+        return hook
+
     def on_job_end(self, hook: Callable[[JobEnd], None]) -> Callable[[JobEnd], None]:
-        """Call ``hook(JobEnd)`` after every execution (for metrics); usable as a decorator."""
+        """Call ``hook(JobEnd)`` once after every execution that started (for
+        metrics); usable as a decorator. A hook that raises is logged."""
         self._hooks.append(hook)
+        return hook
+
+    def on_stop(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Call ``hook()`` once ``stop()`` is done (to close what serves this
+        worker, like a metrics endpoint); usable as a decorator."""
+        self._stop_hooks.append(hook)
         return hook
 
     def start(self) -> None:
@@ -360,6 +415,11 @@ class Worker:
             self._pool.close()
             self._pool = None
         self._stopped.set()
+        for hook in list(self._stop_hooks):
+            try:
+                hook()
+            except Exception:
+                log.exception("belay: on_stop hook %r failed", hook)
         log.info("belay worker %s stopped", self.node_id)
         return abandoned
 
@@ -686,11 +746,19 @@ class Worker:
 
     def execute(self, execution: Execution) -> str:
         """Run one claimed execution and ack it; returns the outcome recorded."""
+        try:
+            return self._execute(execution)
+        except BaseException as exc:
+            self._crashed([execution], exc)
+            raise
+
+    def _execute(self, execution: Execution) -> str:
         execution.thread = threading.get_ident()
         if not self._decrypt(execution):
             return "snooze"
         definition = execution.definition
         assert definition is not None
+        self._job_started(execution)
         ctx = self._context(execution)
         raised: BaseException | None = None
         returned: Any = None
@@ -711,6 +779,13 @@ class Worker:
         that job takes it, and the others go back to the queue without using
         an attempt (their journaled steps make the rerun cheap).
         """
+        try:
+            return self._execute_chunk(executions)
+        except BaseException as exc:
+            self._crashed(executions, exc)
+            raise
+
+    def _execute_chunk(self, executions: list[Execution]) -> dict[int, str]:
         outcomes: dict[int, str] = {}
         runnable: list[Execution] = []
         for execution in executions:
@@ -725,6 +800,7 @@ class Worker:
         assert definition is not None
         for execution in runnable:
             execution.restart_clock(definition.timeout)
+            self._job_started(execution)
         if definition.timeout is not None:
             self._heartbeat_wake.set()
         contexts = [self._context(execution) for execution in runnable]
@@ -778,6 +854,7 @@ class Worker:
             log.error("belay: job %d: %s; it goes back to the queue for %.0fs",
                       execution.job.id, exc, UNKNOWN_KIND_SNOOZE)
             execution.end("acked")
+            self._job_started(execution)
             when = self._now() + timedelta(seconds=UNKNOWN_KIND_SNOOZE)
             self._ack(execution.job, Outcome("snooze", at=when))
             self._finished(execution.job, "snooze", 0.0, str(exc))
@@ -807,11 +884,11 @@ class Worker:
             log.warning("belay: job %d attempt %d %s; its %s is discarded", job.id, job.attempt,
                         "lost its lease" if why == "lost" else "timed out",
                         "error" if raised else "result")
-            self._finished(job, why, duration, raised)
+            self._finished(job, why, duration, None, raised)
             return why
         if isinstance(raised, Park):
             kind = self._park(job, raised)
-            self._finished(job, kind, duration, None)
+            self._finished(job, kind, duration, None, raised)
             return kind
         if outcome is None:
             outcome = decide(returned=returned, raised=raised, attempt=job.attempt,
@@ -822,7 +899,7 @@ class Worker:
             return "succeeded"
         acked = self._ack(job, outcome)
         kind = outcome.kind if acked else "stale"
-        self._finished(job, kind, duration, outcome.error)
+        self._finished(job, kind, duration, outcome.error, raised)
         return kind
 
     def _ack(self, job: Job, outcome: Outcome) -> bool:
@@ -904,10 +981,11 @@ class Worker:
             if batch:
                 try:
                     self._ack_batch(batch)
-                except BaseException:
+                except BaseException as exc:
                     log.exception("belay: batched ack of jobs %s failed; their leases will "
                                   "lapse and they will be reclaimed",
                                   [p.execution.job.id for p in batch])
+                    self._crashed([p.execution for p in batch], exc)
                     for pending in batch:
                         self._forget(pending.execution)
             if stopping:
@@ -954,10 +1032,32 @@ class Worker:
                      [store.poke_payload(q) for q in {q for _, q in acked.settled.ready}]
                      + [store.result_payload(i) for i in results])
 
-    def _finished(self, job: Job, outcome: str, duration: float, error: Any) -> None:
+    def _job_started(self, execution: Execution) -> None:
+        """Report an execution's start to the ``on_job_start`` hooks."""
+        with self._lock:
+            self._open.add(execution.key)
+        for hook in self._start_hooks:
+            try:
+                hook(execution.job)
+            except Exception:
+                log.exception("belay: on_job_start hook %r failed", hook)
+
+    def _crashed(self, executions: Iterable[Execution], exc: BaseException) -> None:
+        """End, as ``crashed``, the started executions whose end was not reported."""
+        for execution in executions:
+            with self._lock:
+                unreported = execution.key in self._open
+            if unreported:
+                self._finished(execution.job, "crashed", time.monotonic() - execution.started,
+                               None, exc)
+
+    def _finished(self, job: Job, outcome: str, duration: float, error: Any,
+                  exception: BaseException | None = None) -> None:
+        with self._lock:
+            self._open.discard((job.id, job.attempt))
         log.info("job %d %s queue=%s %s attempt=%d in %.3fs", job.id, job.kind, job.queue,
                  outcome, job.attempt, duration)
-        event = JobEnd(job, outcome, duration, error)
+        event = JobEnd(job, outcome, duration, error, exception)
         for hook in self._hooks:
             try:
                 hook(event)

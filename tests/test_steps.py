@@ -708,7 +708,7 @@ def test_a_timed_out_job_stops_at_its_next_step_in_a_real_worker(client, sql_con
     with worker:
         end = ended.get(timeout=10)
     assert end.outcome == "timeout"
-    assert isinstance(end.error, belay.Interrupted)
+    assert isinstance(end.exception, belay.Interrupted)
     assert calls == ["first"] and swallowed == []
     assert names(sql_conn, j.id) == ["first"]
     row = job_row(sql_conn, j.id)
