@@ -259,7 +259,7 @@ class Context:
                 f"step {name!r} was called inside another step; steps don't nest — call it "
                 "after the outer step returns"
             )
-        usd_micros, tokens = _cost(cost)
+        usd_micros, tokens = cost_units(cost)
         self.checkpoint()
         job_id = self.id
         with self.client.connection() as conn:
@@ -403,14 +403,7 @@ class Context:
         that back, so the window converges on what was really used. With no such
         rate, pass ``period`` (seconds) to record usage all the same.
         """
-        if not isinstance(resource, str) or not resource:
-            raise ValidationError(f"a resource is a non-empty string, got {resource!r}")
-        if isinstance(units, bool) or not isinstance(units, int) or units < 0:
-            raise ValidationError(f"units must be an integer >= 0, got {units!r}")
-        if period is not None and (
-            isinstance(period, bool) or not isinstance(period, int) or period < 1
-        ):
-            raise ValidationError(f"period must be whole seconds >= 1, got {period!r}")
+        check_debit(resource, units, period)
         rate = self._rate
         credit = 0
         if rate is not None and rate.resource == resource:
@@ -498,7 +491,19 @@ class Context:
         return [by_id[i] for i in ids]
 
 
-def _cost(cost: Cost | Mapping[str, Any] | None) -> tuple[int, int]:
+def check_debit(resource: object, units: object, period: object) -> None:
+    """Refuse the arguments of a ``ctx.debit`` that could not be recorded."""
+    if not isinstance(resource, str) or not resource:
+        raise ValidationError(f"a resource is a non-empty string, got {resource!r}")
+    if isinstance(units, bool) or not isinstance(units, int) or units < 0:
+        raise ValidationError(f"units must be an integer >= 0, got {units!r}")
+    if period is not None and (
+        isinstance(period, bool) or not isinstance(period, int) or period < 1
+    ):
+        raise ValidationError(f"period must be whole seconds >= 1, got {period!r}")
+
+
+def cost_units(cost: Cost | Mapping[str, Any] | None) -> tuple[int, int]:
     if cost is None:
         return 0, 0
     if isinstance(cost, Mapping):
