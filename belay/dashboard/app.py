@@ -1,0 +1,463 @@
+"""The dashboard's request handling, framework-neutral, and its WSGI app.
+
+:class:`Dashboard` turns a :class:`Request` into a :class:`Response`; an
+:class:`Access` says who may mutate through that request. :class:`WSGIApp`
+adapts WSGI to it (``belay dashboard`` runs it under waitress);
+``belay_django.dashboard`` adapts Django's requests.
+
+Routes, below the mount point: ``/`` (queues and recent jobs), ``/jobs``
+(filtered list), ``/jobs/<id>``, ``/workflow?id=…``, the JSON the pages poll
+(``/api/overview``, ``/api/jobs``, ``/api/jobs/<id>``, ``/api/workflow?id=…``)
+and the mutations ``POST /api/jobs/<id>/retry|cancel|signal|steer``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import json
+import logging
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import psycopg
+
+from belay import ops
+from belay.dashboard import pages
+from belay.errors import JobNotFound, NotRetryable, SchemaError, ValidationError
+
+log = logging.getLogger("belay.dashboard")
+
+#: Every response carries these: no inline script or style, no framing, no sniffing.
+SECURITY_HEADERS: tuple[tuple[str, str], ...] = (
+    ("Content-Security-Policy",
+     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+     "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+     "frame-ancestors 'none'"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("X-Frame-Options", "DENY"),
+    ("Referrer-Policy", "no-referrer"),
+    ("Cache-Control", "no-store"),
+)
+
+#: The page's actions, by the ops.MUTATIONS tool each one runs.
+ACTIONS: Mapping[str, str] = {
+    "retry": "retry_job", "cancel": "cancel_job", "signal": "signal", "steer": "steer_job",
+}
+STATIC: Mapping[str, str] = {
+    "dashboard.css": "text/css; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+}
+MAX_BODY = 64 * 1024
+PAGE_SIZE = 50
+RECENT = 15
+
+READ_ONLY_HINT = (
+    "This dashboard is read-only. To retry, cancel, signal and steer jobs from it, give it "
+    "a token (belay dashboard --token-file PATH, or make_app(token=...)) or an authorizer "
+    "(--authorizer module:callable)."
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request: ``path`` is below the mount point and starts with ``/``;
+    ``headers`` have lower-case names; ``query`` keeps each name's first value."""
+
+    method: str
+    path: str
+    query: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    content_type: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def header_list(self) -> list[tuple[str, str]]:
+        """Content-Type, the security headers, then this response's own."""
+        own = {name.lower() for name, _ in self.headers}
+        return [("Content-Type", self.content_type),
+                *((k, v) for k, v in SECURITY_HEADERS if k.lower() not in own),
+                *self.headers]
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may mutate through a request.
+
+    ``mode`` is ``"none"`` (read-only: no buttons, every POST refused),
+    ``"token"`` (the request must carry ``Authorization: Bearer <token>``),
+    ``"open"`` (no credential: ``guard``'s authorizer decides) or
+    ``"session"`` (the host framework authenticated the user and checked
+    CSRF; the page sends ``csrf`` back as ``X-CSRFToken``). Whatever the mode,
+    ``guard`` has the last word. ``check_origin`` refuses a POST whose Origin
+    is not the Host it was sent to.
+    """
+
+    mode: str = "none"
+    guard: ops.Guard = field(default_factory=ops.Guard)
+    token: str | None = None
+    csrf: str | None = None
+    read_only_hint: str = READ_ONLY_HINT
+    check_origin: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in pages.AUTH_MODES:
+            raise ValueError(f"Access.mode is one of {', '.join(pages.AUTH_MODES)}, "
+                             f"got {self.mode!r}")
+        if self.mode == "token" and not self.token:
+            raise ValueError("Access(mode='token') needs the token")
+
+    @classmethod
+    def standalone(cls, guard: ops.Guard | None = None, token: str | None = None) -> Access:
+        """The access of ``belay dashboard``: a token (checked, then ``guard``'s
+        authorizer if it has one), else the authorizer alone, else read-only."""
+        guard = guard or ops.Guard()
+        if token is not None:
+            if not token.strip():
+                raise ValueError("the dashboard token is empty; put a long random string "
+                                 "in the token file")
+            return cls("token", guard if guard.authorizer else ops.Guard(allow=True), token)
+        if not guard.read_only:
+            return cls("open", guard)
+        return cls("none", guard)
+
+
+class _Failure(Exception):
+    """Ends a request with ``status`` and a message for whoever sent it."""
+
+    def __init__(self, status: int, message: str,
+                 headers: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+@functools.lru_cache(maxsize=1)
+def _static_files() -> dict[str, bytes]:
+    folder = resources.files("belay.dashboard").joinpath("static")
+    return {name: folder.joinpath(name).read_bytes() for name in STATIC}
+
+
+class Dashboard:
+    """The dashboard over one belay client. ``unavailable`` lists the
+    exceptions that mean "the database can't be reached" (answered 503)."""
+
+    def __init__(self, client: Any, *,
+                 unavailable: tuple[type[BaseException], ...] = (psycopg.OperationalError,)
+                 ) -> None:
+        self.client = client
+        self.unavailable = unavailable
+        self.static = _static_files()
+
+    # -- Dispatch --------------------------------------------------------------------
+
+    def handle(self, request: Request, access: Access, base: str = "") -> Response:
+        """Answer one request; ``base`` is the URL path of the mount point (links)."""
+        page = pages.Page(base=base.rstrip("/"), auth=access.mode, csrf=access.csrf,
+                          read_only_hint=access.read_only_hint)
+        path = request.path or "/"
+        api = path.startswith("/api/")
+        try:
+            if request.method == "POST":
+                match = re.fullmatch(r"/api/jobs/(\d+)/(\w+)", path)
+                if match is None or match[2] not in ACTIONS:
+                    raise _Failure(404 if _known_get(path) is None else 405,
+                                   f"no action at POST {path}; actions are POST "
+                                   "/api/jobs/<id>/retry, cancel, signal or steer")
+                return self._mutate(request, access, int(match[1]), ACTIONS[match[2]])
+            if request.method not in ("GET", "HEAD"):
+                raise _Failure(405, f"{request.method} is not served here")
+            route = _known_get(path)
+            if route is None:
+                raise _Failure(404, f"nothing at {path}")
+            name, arg = route
+            return self._get(name, arg, request, page)
+        except _Failure as failure:
+            return self._failure(failure, api, page)
+        except ops.Refused as exc:
+            return self._failure(_Failure(403, str(exc)), api, page)
+        except JobNotFound as exc:
+            return self._failure(_Failure(404, str(exc)), api, page)
+        except NotRetryable as exc:
+            return self._failure(_Failure(409, str(exc)), api, page)
+        except ValidationError as exc:
+            return self._failure(_Failure(400, str(exc)), api, page)
+        except SchemaError as exc:
+            return self._failure(_Failure(503, str(exc)), api, page)
+        except self.unavailable as exc:
+            detail = " ".join(str(exc).split()) or type(exc).__name__
+            return self._failure(_Failure(
+                503, f"the database is unavailable ({detail}); check that PostgreSQL is up "
+                     "and that the dashboard's database URL is right"), api, page)
+
+    def _get(self, name: str, arg: str | None, request: Request, page: pages.Page) -> Response:
+        if name == "static":
+            assert arg is not None
+            return Response(200, STATIC[arg], self.static[arg],
+                            (("Cache-Control", "no-cache"),))
+        if name in ("overview", "api_overview"):
+            data = self.overview()
+            if name == "api_overview":
+                return _json(200, data)
+            return _page(200, pages.overview(page, data["queues"], data["recent"]))
+        if name in ("jobs", "api_jobs"):
+            filters, before_id, limit = _list_args(request.query, api=name == "api_jobs")
+            data = self.jobs(filters, before_id, limit)
+            if name == "api_jobs":
+                return _json(200, data)
+            api = page.url("/api/jobs", **filters,
+                           before_id=before_id if before_id is not None else "")
+            return _page(200, pages.jobs_page(page, data["jobs"], filters, before_id,
+                                              data["next_before_id"], api))
+        if name in ("job", "api_job"):
+            assert arg is not None
+            detail = ops.job_detail(self.client, _job_id(arg))
+            if detail is None:
+                raise JobNotFound(int(arg))
+            if name == "api_job":
+                return _json(200, detail)
+            return _page(200, pages.job_page(page, detail))
+        workflow_id = request.query.get("id", "")
+        if not workflow_id:
+            raise _Failure(400, "name the workflow: ?id=<workflow id>")
+        status = self.client.workflow_status(workflow_id)
+        if not status.jobs:
+            raise _Failure(404, f"workflow {workflow_id!r} has no jobs (never enqueued, or "
+                                "pruned by retention)")
+        view = ops.workflow_view(status)
+        if name == "api_workflow":
+            return _json(200, view)
+        return _page(200, pages.workflow_page(page, view))
+
+    # -- Reads -----------------------------------------------------------------------
+
+    def overview(self) -> dict[str, Any]:
+        """Queue tiles and the most recent jobs."""
+        return {"queues": ops.queue_overview(self.client),
+                "recent": [ops.job_line(j) for j in self.client.list_jobs(limit=RECENT)]}
+
+    def jobs(self, filters: Mapping[str, str], before_id: int | None,
+             limit: int) -> dict[str, Any]:
+        """A page of jobs, newest first, and the ``before_id`` of the next page."""
+        parent = filters.get("parent")
+        jobs = self.client.list_jobs(
+            queue=filters.get("queue"), state=filters.get("state"), kind=filters.get("kind"),
+            workflow_id=filters.get("workflow"),
+            parent_id=None if parent is None else _job_id(parent, "parent"),
+            before_id=before_id, limit=limit)
+        return {"jobs": [ops.job_line(j) for j in jobs],
+                "next_before_id": jobs[-1].id if len(jobs) == limit else None}
+
+    # -- Mutations -------------------------------------------------------------------
+
+    def _mutate(self, request: Request, access: Access, job_id: int, tool: str) -> Response:
+        if access.mode == "none":
+            raise _Failure(403, access.read_only_hint)
+        if access.check_origin:
+            _same_origin(request.headers)
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            raise _Failure(415, "send the action's arguments as JSON, with Content-Type: "
+                                "application/json (an empty object {} for retry and cancel)")
+        if access.mode == "token":
+            _check_token(request.headers.get("authorization", ""), access.token or "")
+        if len(request.body) > MAX_BODY:
+            raise _Failure(413, f"the request body is over {MAX_BODY} bytes")
+        try:
+            args = json.loads(request.body or b"{}")
+        except ValueError:
+            raise _Failure(400, "the request body is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise _Failure(400, "the request body is a JSON object, like {} or "
+                                '{"name": "approve", "payload": {}}')
+        if self.client.get_job(job_id) is None:
+            raise JobNotFound(job_id)
+        result = ops.mutate(self.client, access.guard, tool, {**args, "job_id": job_id})
+        return _json(200, {"ok": True, "action": tool, **result})
+
+    def _failure(self, failure: _Failure, api: bool, page: pages.Page) -> Response:
+        if api:
+            return _json(failure.status, {"error": failure.message}, failure.headers)
+        title = {400: "Bad request", 403: "Forbidden", 404: "Not found", 405: "Not allowed",
+                 409: "Conflict", 503: "Unavailable"}.get(failure.status, "Error")
+        body = pages.error_page(page, failure.status, title, failure.message)
+        return Response(failure.status, "text/html; charset=utf-8", body.encode(),
+                        failure.headers)
+
+
+_GET_ROUTES: tuple[tuple[str, str], ...] = (
+    ("overview", r"/"),
+    ("jobs", r"/jobs/?"),
+    ("job", r"/jobs/(\d+)"),
+    ("workflow", r"/workflow"),
+    ("static", r"/static/(dashboard\.css|dashboard\.js)"),
+    ("api_overview", r"/api/overview"),
+    ("api_jobs", r"/api/jobs"),
+    ("api_job", r"/api/jobs/(\d+)"),
+    ("api_workflow", r"/api/workflow"),
+)
+
+
+def _known_get(path: str) -> tuple[str, str | None] | None:
+    for name, pattern in _GET_ROUTES:
+        match = re.fullmatch(pattern, path)
+        if match:
+            return name, (match[1] if match.groups() else None)
+    return None
+
+
+def _json(status: int, data: Any, headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    text = json.dumps(ops.jsonable(data), ensure_ascii=False)
+    # "<" as \u003c: the JSON can never close a tag, wherever it ends up.
+    return Response(status, "application/json; charset=utf-8",
+                    text.replace("<", "\\u003c").encode(), headers)
+
+
+def _page(status: int, text: str) -> Response:
+    return Response(status, "text/html; charset=utf-8", text.encode())
+
+
+def _job_id(text: str, what: str = "job id") -> int:
+    text = text.strip()
+    if not text.isdigit() or not 1 <= int(text) <= 2**63 - 1:
+        raise ValidationError(f"{what} is a job id (a whole number >= 1), got {text!r}")
+    return int(text)
+
+
+def _list_args(query: Mapping[str, str], *,
+               api: bool) -> tuple[dict[str, str], int | None, int]:
+    filters = {k: query[k].strip() for k in pages.FILTERS if query.get(k, "").strip()}
+    before = query.get("before_id", "").strip()
+    before_id = _job_id(before, "before_id") if before else None
+    limit = PAGE_SIZE
+    if api and query.get("limit"):
+        text = query["limit"].strip()
+        if not text.isdigit() or not 1 <= int(text) <= 500:
+            raise ValidationError(f"limit is a whole number from 1 to 500, got {text!r}")
+        limit = int(text)
+    return filters, before_id, limit
+
+
+def _same_origin(headers: Mapping[str, str]) -> None:
+    """Refuse a browser's cross-site POST: its Origin must name the Host it reached."""
+    if headers.get("sec-fetch-site", "") == "cross-site":
+        raise _Failure(403, "cross-site request refused: actions are sent from the "
+                            "dashboard's own pages")
+    origin = headers.get("origin")
+    if origin is None:
+        return  # not a browser (curl, a script): the token or authorizer decides
+    host = headers.get("host", "").lower()
+    if origin == "null" or urlsplit(origin).netloc.lower() != host:
+        raise _Failure(403, f"cross-origin request refused: Origin {origin!r} is not this "
+                            f"dashboard ({host or 'no Host header'}); send actions from the "
+                            "dashboard's own pages")
+
+
+def _check_token(authorization: str, token: str) -> None:
+    scheme, _, given = authorization.partition(" ")
+    challenge = (("WWW-Authenticate", 'Bearer realm="belay dashboard"'),)
+    if scheme.lower() != "bearer" or not given.strip():
+        raise _Failure(401, "this action needs the dashboard's token in an "
+                            "'Authorization: Bearer' header (the page asks for it once)",
+                       challenge)
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise _Failure(401, "wrong token: use the one in the dashboard's --token-file",
+                       challenge)
+
+
+# -- WSGI ------------------------------------------------------------------------------------
+
+StartResponse = Callable[..., Any]
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header: ``127.0.0.1:8766`` → ``127.0.0.1``, ``[::1]:80`` → ``::1``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+class WSGIApp:
+    """The dashboard as a WSGI application mounted at ``prefix`` (below
+    SCRIPT_NAME). ``allowed_hosts``, when given, are the only Host names
+    answered (a loopback-only server refuses DNS-rebinding requests)."""
+
+    def __init__(self, dashboard: Dashboard, access: Access, *, prefix: str = "",
+                 allowed_hosts: Collection[str] | None = None) -> None:
+        self.dashboard = dashboard
+        self.access = access
+        self.prefix = "/" + prefix.strip("/") if prefix.strip("/") else ""
+        self.allowed_hosts = (None if allowed_hosts is None
+                              else frozenset(h.lower() for h in allowed_hosts))
+
+    def __call__(self, environ: Mapping[str, Any],
+                 start_response: StartResponse) -> Iterable[bytes]:
+        try:
+            response = self._respond(environ)
+        except Exception:
+            log.exception("belay dashboard: unexpected error")
+            response = _json(500, {"error": "internal error: see the dashboard's log"})
+        status = f"{response.status} {_REASONS.get(response.status, 'Status')}"
+        start_response(status, response.header_list())
+        return [b""] if environ.get("REQUEST_METHOD") == "HEAD" else [response.body]
+
+    def _respond(self, environ: Mapping[str, Any]) -> Response:
+        raw_path = str(environ.get("PATH_INFO", "") or "")
+        path = raw_path.encode("latin-1", "replace").decode("utf-8", "replace")
+        headers = {key[5:].replace("_", "-").lower(): str(value)
+                   for key, value in environ.items() if key.startswith("HTTP_")}
+        for key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+            if environ.get(key):
+                headers[key.replace("_", "-").lower()] = str(environ[key])
+        if self.allowed_hosts is not None:
+            host = headers.get("host") or str(environ.get("SERVER_NAME", ""))
+            if _host_name(host) not in self.allowed_hosts:
+                names = ", ".join(sorted(self.allowed_hosts))
+                return _json(421, {"error": f"this dashboard answers to the host names "
+                                            f"{names} only, not {host!r} (a guard against "
+                                            "DNS rebinding)"})
+        base = str(environ.get("SCRIPT_NAME", "")).rstrip("/") + self.prefix
+        if self.prefix:
+            if path != self.prefix and not path.startswith(self.prefix + "/"):
+                return _json(404, {"error": f"the dashboard is at {base}/"})
+            path = path[len(self.prefix):] or "/"
+        body = b""
+        if environ.get("REQUEST_METHOD") == "POST":
+            try:
+                length = int(headers.get("content-length") or 0)
+            except ValueError:
+                length = 0
+            if length > MAX_BODY:
+                return _json(413, {"error": f"the request body is over {MAX_BODY} bytes"})
+            body = environ["wsgi.input"].read(length) if length > 0 else b""
+        query_string = str(environ.get("QUERY_STRING", ""))
+        query: dict[str, str] = {}
+        for key, value in parse_qsl(
+                query_string.encode("latin-1", "replace").decode("utf-8", "replace")):
+            query.setdefault(key, value)
+        request = Request(str(environ.get("REQUEST_METHOD", "GET")).upper(), path, query,
+                          headers, body)
+        return self.dashboard.handle(request, self.access, base)
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
+            404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
+            413: "Payload Too Large", 415: "Unsupported Media Type",
+            421: "Misdirected Request", 500: "Internal Server Error",
+            503: "Service Unavailable"}
