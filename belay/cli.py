@@ -1,7 +1,27 @@
-"""The ``belay`` command line: ``migrate``, ``check``, ``worker``, ``demo``.
+"""The ``belay`` command line.
 
-Exit codes: 0 success; 1 the database is unusable (unreachable, no schema,
-outdated schema, unknown contract major); 2 bad usage.
+Schema and processes: ``migrate``, ``check``, ``worker``, ``mcp``,
+``dashboard``, ``demo``. Operating: ``stats``, ``jobs``, ``job``, ``events``,
+``retry``, ``cancel``, ``signal``, ``steer``, ``queues``, ``crons``, ``prune``,
+``replay`` — direct client calls (whoever has the database URL may already
+write to it), with ``--json`` for scripts.
+
+Exit codes:
+
+===  ==========================================================================
+0    success
+1    the database is unusable: unreachable, no schema, outdated schema,
+     unknown contract major, or it refused a statement
+2    bad usage: bad arguments, bad JSON, options belay refuses
+3    not found: no such job, queue row or cron row
+4    not possible in the job's current state (retrying a job that did not fail)
+5    ``replay`` diverged from the record (blocked, raised, unused or reordered
+     journal entries, another result)
+130  interrupted (Ctrl-C)
+===  ==========================================================================
+
+Errors go to stderr as ``belay: <what went wrong and what to do>``. Output cut
+short by its reader (``belay jobs | head``) ends quietly with 0.
 """
 
 from __future__ import annotations
@@ -16,8 +36,20 @@ from typing import Any
 import psycopg
 
 from belay.client import Belay
-from belay.errors import BelayError, ConfigurationError
+from belay.errors import (
+    BelayError,
+    ConfigurationError,
+    JobNotFound,
+    NotRetryable,
+    ValidationError,
+)
+from belay.job import STATES
+from belay.retention import DEFAULT_RETENTION, DEFAULT_SIGNAL_TTL
 from belay.schema import CONTRACT_MAJOR, MIN_REVISION, latest_revision
+
+
+class NotFound(BelayError, LookupError):
+    """No such queue or cron row (exit 3)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,11 +84,166 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--shutdown-grace", type=float, default=15.0, metavar="SECONDS")
     run.add_argument("--node-id", default=None)
     run.add_argument("--log-level", default="INFO")
+    run.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                     help="serve Prometheus metrics on 127.0.0.1:PORT/metrics "
+                          "(needs the 'metrics' extra)")
+    run.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
+
+    def with_key(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--encryption-key-file", default=None, metavar="PATH",
+                         help="a file holding the key of encrypted input "
+                              "(default: $BELAY_ENCRYPTION_KEY)")
+
+    with_key(run)
+
+    replay = with_url("replay", "re-run a job's worker code against its recorded journal, "
+                                "with no side effects, and show where the code diverges")
+    replay.add_argument("job_id", type=int)
+    replay.add_argument("--import", dest="imports", action="append", default=[],
+                        metavar="MODULE", help="import MODULE to register the job's worker")
+    replay.add_argument("--json", action="store_true", help="print the report as JSON")
+    with_key(replay)
+
+    def with_guard(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--allow-mutations", action="store_true",
+                         help="let every client retry, cancel, signal and steer jobs "
+                              "(a trusted local client only)")
+        sub.add_argument("--authorizer", default=None, metavar="MODULE:CALLABLE",
+                         help="authorize(tool, args) decides each mutation")
+
+    mcp = with_url("mcp", "serve an MCP server for agents (stdio by default)")
+    mcp.add_argument("--transport", choices=("stdio", "http"), default="stdio",
+                     help="stdio, or streamable HTTP at http://HOST:PORT/mcp")
+    mcp.add_argument("--host", default="127.0.0.1")
+    mcp.add_argument("--port", type=int, default=8765)
+    with_guard(mcp)
+
+    dash = with_url("dashboard", "serve the web dashboard (read-only unless a token or "
+                                 "an authorizer is configured)")
+    dash.add_argument("--host", default="127.0.0.1")
+    dash.add_argument("--port", type=int, default=8766)
+    dash.add_argument("--token-file", default=None, metavar="PATH",
+                      help="a file holding the bearer token that allows retry, cancel, "
+                           "signal and steer from the page")
+    dash.add_argument("--authorizer", default=None, metavar="MODULE:CALLABLE",
+                      help="authorize(action, args) decides each mutation")
     demo = commands.add_parser(
         "demo", help="a live tour on a real database (an embedded one when no --url)"
     )
     demo.add_argument("--url", default=None, help="PostgreSQL URL (default: embedded server)")
+    _ops_parsers(commands)
     return parser
+
+
+def _ops_parsers(commands: Any) -> None:
+    """The operating commands: reads, job mutations, queue and cron rows, retention."""
+
+    def op(parent: Any, name: str, help: str, *, nested: bool = False) -> Any:
+        """A (sub)command with --url and --json. On a nested action the two only
+        set what is given, so `queues --json pause x` keeps its --json."""
+        sub = parent.add_parser(name, help=help, description=help)
+        quiet = {"default": argparse.SUPPRESS} if nested else {}
+        sub.add_argument("--url", **({"default": os.environ.get("BELAY_DATABASE_URL")}
+                                     | quiet),
+                         help="PostgreSQL URL (default: $BELAY_DATABASE_URL)")
+        sub.add_argument("--json", action="store_true", **quiet,
+                         help="print machine-readable JSON")
+        return sub
+
+    op(commands, "stats", "per queue: jobs by state, spend, jobs finished in the last minute")
+
+    jobs = op(commands, "jobs", "list jobs, newest first")
+    jobs.add_argument("--queue")
+    jobs.add_argument("--state", choices=STATES)
+    jobs.add_argument("--kind")
+    jobs.add_argument("--workflow", metavar="WORKFLOW_ID")
+    jobs.add_argument("--parent", type=int, metavar="JOB_ID")
+    jobs.add_argument("--before", type=int, metavar="JOB_ID",
+                      help="only jobs with a smaller id (the next page)")
+    jobs.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+
+    job = op(commands, "job", "one job: its row, step journal with costs, events, errors, "
+                              "children and workflow")
+    job.add_argument("job_id", type=int)
+
+    events = op(commands, "events", "a job's events (one JSON line each with --json)")
+    events.add_argument("job_id", type=int)
+    events.add_argument("--after", type=int, default=0, metavar="SEQ",
+                        help="only events after this sequence number")
+    events.add_argument("--follow", action="store_true",
+                        help="keep printing new events until the job finishes")
+    events.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="with --follow: stop after this long")
+
+    op(commands, "retry", "run a failed or cancelled job again").add_argument(
+        "job_id", type=int)
+    op(commands, "cancel", "cancel a job (a running one stops at its next step)"
+       ).add_argument("job_id", type=int)
+    signal = op(commands, "signal", "deliver a signal to a job (its await_signal gets it)")
+    signal.add_argument("job_id", type=int)
+    signal.add_argument("name")
+    signal.add_argument("payload", nargs="?", default="{}", metavar="JSON",
+                        help="a JSON object (default {})")
+    steer = op(commands, "steer", "leave steering guidance a job reads with ctx.steering()")
+    steer.add_argument("job_id", type=int)
+    steer.add_argument("payload", metavar="JSON", help='a JSON object like '
+                                                       '\'{"instruction": "be brief"}\'')
+
+    queues = op(commands, "queues", "list, put, pause, resume or delete belay_queues rows")
+    queue_actions = queues.add_subparsers(dest="action", metavar="ACTION")
+    op(queue_actions, "list", "the belay_queues rows (the default action)", nested=True)
+    put = op(queue_actions, "put", "create or replace a queue row every worker serves",
+             nested=True)
+    put.add_argument("name")
+    put.add_argument("--limit", default="10", metavar="N|JSON",
+                     help='per-node concurrency, or {"min": a, "max": b} (default 10)')
+    put.add_argument("--global-limit", type=int, default=None, metavar="N")
+    put.add_argument("--rate", default=None, metavar="JSON",
+                     help='like {"allowed": 100, "period": 60}')
+    put.add_argument("--partition", default=None, metavar="JSON",
+                     help='like {"input": "tenant"}')
+    for action, text in (("pause", "stop every worker claiming from a queue"),
+                         ("resume", "undo pause"),
+                         ("delete", "remove a queue row (workers go back to static options)")):
+        op(queue_actions, action, text, nested=True).add_argument("name")
+
+    crons = op(commands, "crons", "list, put, pause, resume or delete dynamic crons")
+    cron_actions = crons.add_subparsers(dest="action", metavar="ACTION")
+    op(cron_actions, "list", "the belay_crons rows (the default action)", nested=True)
+    cput = op(cron_actions, "put", "create or replace a dynamic cron every node fires",
+              nested=True)
+    cput.add_argument("name")
+    cput.add_argument("expression", metavar="EXPR", help='five UTC fields like "0 8 * * 1-5", '
+                                                         "or @hourly, @daily…")
+    cput.add_argument("worker", metavar="WORKER", help="the kind its jobs get")
+    cput.add_argument("--input", default=None, metavar="JSON", help="a JSON object")
+    cput.add_argument("--queue", default=None)
+    cput.add_argument("--priority", type=int, default=None)
+    cput.add_argument("--max-attempts", type=int, default=None)
+    cput.add_argument("--meta", default=None, metavar="JSON", help="a JSON object")
+    cput.add_argument("--partition-key", default=None)
+    for action, text in (("pause", "stop a cron firing"), ("resume", "undo pause"),
+                         ("delete", "delete a dynamic cron")):
+        op(cron_actions, action, text, nested=True).add_argument("name")
+
+    prune = op(commands, "prune", "delete finished jobs past their retention now, as "
+                                  "workers do every minute")
+    for state, keep in DEFAULT_RETENTION.items():
+        prune.add_argument(f"--{state}", type=_keep, default=keep, metavar="SECONDS",
+                           help=f"keep {state} jobs this long, or 'forever' (default {keep:g})")
+    prune.add_argument("--signal-ttl", type=_keep, default=DEFAULT_SIGNAL_TTL,
+                       metavar="SECONDS", help="keep delivered signals this long, or "
+                                               f"'forever' (default {DEFAULT_SIGNAL_TTL:g})")
+
+
+def _keep(text: str) -> float | None:
+    if text.strip().lower() == "forever":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not seconds (like 86400) or 'forever'") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,14 +255,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "worker":
         return _guarded(lambda: _worker(args))
+    if args.command == "replay":
+        return _guarded(lambda: _replay(args))
+    if args.command == "mcp":
+        return _guarded(lambda: _mcp(args))
+    if args.command == "dashboard":
+        return _guarded(lambda: _dashboard(args))
+    operate = _OPS.get(args.command)
+    if operate is not None:
+        return _guarded(lambda: _operate(operate, args))
     return _guarded(lambda: _schema(args.command, args.url))
 
 
 def _guarded(command: Callable[[], int]) -> int:
-    """Run a command, turning the errors a user can cause into a message and an exit code:
-    2 for bad usage or configuration, 1 for a database belay can't use."""
+    """Run a command, turning the errors a user can cause into a message and the
+    exit code of the module's table."""
     try:
         return command()
+    except (JobNotFound, NotFound) as exc:
+        print(f"belay: {exc}", file=sys.stderr)
+        return 3
+    except NotRetryable as exc:
+        print(f"belay: {exc}", file=sys.stderr)
+        return 4
+    # After the two above: ValidationError is a ValueError too, and every
+    # BelayError not caught before means a database belay can't use.
     except (ValueError, ImportError, ConfigurationError) as exc:
         print(f"belay: {exc}", file=sys.stderr)
         return 2
@@ -85,6 +289,20 @@ def _guarded(command: Callable[[], int]) -> int:
     except psycopg.OperationalError as exc:
         print(f"belay: cannot connect to the database: {str(exc).strip()}", file=sys.stderr)
         return 1
+    except psycopg.Error as exc:
+        print(f"belay: the database refused: {str(exc).strip()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`belay jobs | head`): end quietly, and keep the
+        # interpreter's final flush from failing on the closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except OSError as exc:  # a --token-file or --encryption-key-file that can't be read
+        print(f"belay: {exc}", file=sys.stderr)
+        return 2
 
 
 def _schema(command: str, url: str) -> int:
@@ -134,7 +352,7 @@ def _worker(args: argparse.Namespace) -> int:
     sys.path.insert(0, os.getcwd())
     for module in args.imports:
         importlib.import_module(module)
-    client = Belay(args.url, notify=args.notify)
+    client = Belay(args.url, notify=args.notify, encryption_key=_encryption_key(args))
     worker = Worker(
         queues, client=client, notify=args.notify, lease_ttl=args.lease_ttl,
         poll_interval=args.poll_interval, busy_poll=min(args.busy_poll, args.poll_interval),
@@ -145,7 +363,68 @@ def _worker(args: argparse.Namespace) -> int:
         print("belay: no workers registered: pass --import with the module that defines "
               "your @belay.worker functions", file=sys.stderr)
         return 2
+    if args.metrics_port is not None:
+        from belay.telemetry import start_metrics
+
+        start_metrics(worker, port=args.metrics_port, host=args.metrics_host)
     worker.run()
+    return 0
+
+
+def _guard(args: argparse.Namespace) -> Any:
+    from belay.ops import Guard, load_authorizer
+
+    sys.path.insert(0, os.getcwd())
+    authorizer = load_authorizer(args.authorizer) if args.authorizer else None
+    return Guard(allow=getattr(args, "allow_mutations", False), authorizer=authorizer)
+
+
+def _encryption_key(args: argparse.Namespace) -> str | None:
+    if args.encryption_key_file is None:
+        return os.environ.get("BELAY_ENCRYPTION_KEY") or None
+    with open(args.encryption_key_file, encoding="utf-8") as fh:
+        key = fh.read().strip()
+    if not key:
+        raise ConfigurationError(f"--encryption-key-file {args.encryption_key_file}: the file "
+                                 "is empty")
+    return key
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """Exit 0 when the code retraced the record exactly, 5 when it diverged
+    (blocked, raised, left journal entries unused, asked them in another order
+    or returned another result), 3 when there is no such job."""
+    import importlib
+
+    from belay import replay
+
+    sys.path.insert(0, os.getcwd())
+    for module in args.imports:
+        importlib.import_module(module)
+    with Belay(args.url, encryption_key=_encryption_key(args)) as client:
+        report = replay.dry_run(client, args.job_id)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else replay.format_report(report))
+    return 5 if report.diverged else 0
+
+
+def _mcp(args: argparse.Namespace) -> int:
+    from belay import mcp_server
+
+    mcp_server.serve(args.url, guard=_guard(args), transport=args.transport,
+                     host=args.host, port=args.port)
+    return 0
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from belay import dashboard
+
+    token = None
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as fh:
+            token = fh.read().strip()
+        if not token:
+            raise ConfigurationError(f"--token-file {args.token_file}: the file is empty")
+    dashboard.serve(args.url, host=args.host, port=args.port, guard=_guard(args), token=token)
     return 0
 
 
@@ -154,6 +433,237 @@ def _demo(url: str | None) -> int:
 
     demo.run(url)
     return 0
+
+
+# -- Operating commands ---------------------------------------------------------------
+# Each takes the parsed arguments and an open client, prints, and returns the exit code.
+
+Operate = Callable[[argparse.Namespace, Belay], int]
+
+
+def _operate(operate: Operate, args: argparse.Namespace) -> int:
+    with Belay(args.url, max_pool_size=2, application_name="belay-cli") as client:
+        return operate(args, client)
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> int:
+    """Print ``data`` as JSON with --json, else ``text``; exit 0."""
+    print(json.dumps(data, indent=2, ensure_ascii=False) if args.json else text)
+    return 0
+
+
+def _json_object(text: str, what: str, example: str) -> dict[str, Any]:
+    """A command-line argument that must be a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(
+            f"{what} is not valid JSON ({exc}): write a JSON object like {example}, "
+            "in single quotes for the shell"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValidationError(f"{what} is a JSON object like {example}, got {text!r}")
+    return value
+
+
+def _json_value(text: str, what: str, example: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(f"{what} is not valid JSON ({exc}): write it like {example}, "
+                              "in single quotes for the shell") from None
+
+
+def _stats(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat, ops
+
+    overview = ops.queue_overview(client)
+    return _emit(args, overview, cliformat.stats_table(overview))
+
+
+def _jobs(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat, ops
+
+    found = client.list_jobs(queue=args.queue, state=args.state, kind=args.kind,
+                             workflow_id=args.workflow, parent_id=args.parent,
+                             before_id=args.before, limit=args.limit)
+    lines = [ops.job_line(job) for job in found]
+    text = cliformat.jobs_table(lines)
+    if len(found) == args.limit:
+        text += f"\n(more may follow: add --before {found[-1].id})"
+    return _emit(args, lines, text)
+
+
+def _job(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat, ops
+
+    detail = ops.job_detail(client, args.job_id)
+    if detail is None:
+        raise JobNotFound(args.job_id)
+    return _emit(args, detail, cliformat.job_text(detail))
+
+
+def _events(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat, ops
+
+    if args.timeout is not None and not args.follow:
+        raise ValidationError("--timeout only applies with --follow")
+    if client.get_job(args.job_id) is None:
+        raise JobNotFound(args.job_id)
+    events = (client.subscribe_events(args.job_id, args.after, timeout=args.timeout)
+              if args.follow else client.events(args.job_id, args.after))
+    printed = 0
+    for event in events:
+        view = ops.event_view(event)
+        print(json.dumps(view, ensure_ascii=False) if args.json else cliformat.event_line(view),
+              flush=True)
+        printed += 1
+    if args.follow:
+        job = client.get_job(args.job_id)
+        if job is not None and not job.terminal:
+            print(f"belay: stopped following after {args.timeout:g} s; job {args.job_id} is "
+                  f"still {job.state}", file=sys.stderr)
+    elif not printed and not args.json:
+        print(f"no events after seq {args.after}")
+    return 0
+
+
+def _retry(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat, ops
+
+    view = ops.job_view(client.retry_job(args.job_id))
+    return _emit(args, {"job_id": args.job_id, "job": view}, cliformat.retried_text(view))
+
+
+def _cancel(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat
+
+    status = client.cancel_job(args.job_id)
+    return _emit(args, {"job_id": args.job_id, "status": status},
+                 cliformat.CANCEL_TEXT[status].format(id=args.job_id))
+
+
+def _signal(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat
+
+    payload = _json_object(args.payload, "the signal payload", '\'{"approved": true}\'')
+    if client.get_job(args.job_id) is None:
+        raise JobNotFound(args.job_id)
+    woken = client.signal_job(args.job_id, args.name, payload)
+    return _emit(args, {"job_id": args.job_id, "signal": args.name, "woken": woken},
+                 cliformat.woken_text(f"signal {args.name!r}", args.job_id, woken))
+
+
+def _steer(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat
+
+    payload = _json_object(args.payload, "the steering payload",
+                          '\'{"instruction": "be brief"}\'')
+    if client.get_job(args.job_id) is None:
+        raise JobNotFound(args.job_id)
+    woken = client.steer_job(args.job_id, payload)
+    return _emit(args, {"job_id": args.job_id, "steered": True, "woken": woken},
+                 cliformat.woken_text("steering", args.job_id, woken))
+
+
+def _queues(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat, ops
+
+    action, name = args.action or "list", str(getattr(args, "name", ""))
+    if action == "list":
+        rows = [{"queue": queue, "options": ops.jsonable(
+                    {k: v for k, v in opts.items() if k != "paused"}),
+                 "paused": bool(opts.get("paused"))}
+                for queue, opts in sorted(client.list_queues().items())]
+        return _emit(args, rows, cliformat.queues_table(rows))
+    if action == "put":
+        limit = (int(args.limit) if args.limit.strip().isdigit()
+                 else _json_value(args.limit, "--limit", '10 or \'{"min": 2, "max": 20}\''))
+        rate = None if args.rate is None else _json_object(
+            args.rate, "--rate", '\'{"allowed": 100, "period": 60}\'')
+        partition = None if args.partition is None else _json_value(
+            args.partition, "--partition", '\'{"input": "tenant"}\'')
+        spec = client.put_queue(name, limit=limit, global_limit=args.global_limit, rate=rate,
+                                partition=partition)
+        options = spec.to_opts()
+        return _emit(args, {"queue": name, "options": options},
+                     f"put queue {name!r}: {json.dumps(options)}")
+    if action == "pause":
+        client.pause_queue(name)
+        return _emit(args, {"queue": name, "paused": True},
+                     f"paused queue {name!r}: no worker claims from it (running jobs finish)")
+    if action == "resume":
+        if not client.resume_queue(name):
+            raise NotFound(f"no queue row named {name!r}: nothing to resume "
+                           "('belay queues list' shows the rows)")
+        return _emit(args, {"queue": name, "paused": False}, f"resumed queue {name!r}")
+    if not client.delete_queue(name):
+        raise NotFound(f"no queue row named {name!r} ('belay queues list' shows the rows)")
+    return _emit(args, {"queue": name, "deleted": True}, f"deleted queue row {name!r}")
+
+
+def cron_view(cron: Any) -> dict[str, Any]:
+    """A :class:`belay.cron.DynamicCron` as JSON-ready data."""
+    from belay import ops
+
+    return {"name": cron.name, "expression": cron.expression, "worker": cron.worker,
+            "input": ops.jsonable(cron.input), "options": ops.jsonable(cron.options),
+            "paused": cron.paused, "updated_at": ops.jsonable(cron.updated_at)}
+
+
+def _crons(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat
+
+    action, name = args.action or "list", str(getattr(args, "name", ""))
+    if action == "list":
+        rows = [cron_view(c) for c in client.list_crons()]
+        return _emit(args, rows, cliformat.crons_table(rows))
+    if action == "put":
+        example = '\'{"report": "daily"}\''
+        options = {
+            "queue": args.queue, "priority": args.priority, "max_attempts": args.max_attempts,
+            "partition_key": args.partition_key,
+            "meta": None if args.meta is None else _json_object(args.meta, "--meta", example),
+        }
+        cron_input = None if args.input is None else _json_object(args.input, "--input", example)
+        view = cron_view(client.put_cron(name, args.expression, args.worker, cron_input,
+                                         **{k: v for k, v in options.items() if v is not None}))
+        return _emit(args, view, f"put cron {name!r}: {view['expression']} -> "
+                                 f"{view['worker']}" + (" (paused)" if view["paused"] else ""))
+    done = {"pause": client.pause_cron, "resume": client.resume_cron,
+            "delete": client.delete_cron}[action](name)
+    if not done:
+        raise NotFound(f"no cron row named {name!r} ('belay crons list' shows the rows; "
+                       "a static cron defined in code has none)")
+    past = {"pause": "paused", "resume": "resumed", "delete": "deleted"}[action]
+    return _emit(args, {"cron": name, past: True}, f"{past} cron {name!r}")
+
+
+def _prune(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat, queues, retention
+
+    asked = {"succeeded": args.succeeded, "failed": args.failed,
+             "cancelled": args.cancelled, "signal-ttl": args.signal_ttl}
+    for option, keep in asked.items():
+        if keep is not None and not retention.keep_ok(keep):
+            raise ValidationError(f"--{option} is seconds > 0 (at most a century) or "
+                                  f"'forever', got {keep:g}")
+    kept = retention.parse_retention(
+        {"succeeded": args.succeeded, "failed": args.failed, "cancelled": args.cancelled})
+    # Rate windows a row's rate math still reads are kept, as a worker keeps them.
+    specs, _ = queues.merge({}, client.list_queues())
+    periods = [spec.rate.period for spec in specs.values() if spec.rate is not None]
+    with client.connection() as conn:
+        counts = retention.prune(conn, client.now(), kept, args.signal_ttl, periods)
+    return _emit(args, {"deleted": counts, "retention": kept, "signal_ttl": args.signal_ttl},
+                 cliformat.pruned_text(counts))
+
+
+_OPS: dict[str, Operate] = {
+    "stats": _stats, "jobs": _jobs, "job": _job, "events": _events, "retry": _retry,
+    "cancel": _cancel, "signal": _signal, "steer": _steer, "queues": _queues,
+    "crons": _crons, "prune": _prune,
+}
 
 
 if __name__ == "__main__":
