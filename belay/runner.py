@@ -782,7 +782,8 @@ class Worker:
         try:
             return self._execute_chunk(executions)
         except BaseException as exc:
-            self._crashed(executions, exc)
+            # A success already handed to the acker is the acker's to report.
+            self._crashed([e for e in executions if not e.ack_pending], exc)
             raise
 
     def _execute_chunk(self, executions: list[Execution]) -> dict[int, str]:
@@ -1045,16 +1046,21 @@ class Worker:
     def _crashed(self, executions: Iterable[Execution], exc: BaseException) -> None:
         """End, as ``crashed``, the started executions whose end was not reported."""
         for execution in executions:
-            with self._lock:
+            with self._lock:  # check and claim the report in one step
                 unreported = execution.key in self._open
+                self._open.discard(execution.key)
             if unreported:
-                self._finished(execution.job, "crashed", time.monotonic() - execution.started,
-                               None, exc)
+                self._report(execution.job, "crashed", time.monotonic() - execution.started,
+                             None, exc)
 
     def _finished(self, job: Job, outcome: str, duration: float, error: Any,
                   exception: BaseException | None = None) -> None:
         with self._lock:
             self._open.discard((job.id, job.attempt))
+        self._report(job, outcome, duration, error, exception)
+
+    def _report(self, job: Job, outcome: str, duration: float, error: Any,
+                exception: BaseException | None) -> None:
         log.info("job %d %s queue=%s %s attempt=%d in %.3fs", job.id, job.kind, job.queue,
                  outcome, job.attempt, duration)
         event = JobEnd(job, outcome, duration, error, exception)

@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,34 +24,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import belay
+from belay import store
 from belay.context import Park
 from belay.errors import ConfigurationError
 from belay.runner import OUTCOMES, JobEnd
 from belay.telemetry import PrometheusMetrics, start_metrics
 from tests.helpers import Ends
+from tests.test_worker import make_worker, running
 
 Conn = psycopg.Connection[Any]
 REPO = Path(__file__).resolve().parent.parent
 
 #: (sample name, sorted labels) → value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def make_worker(client: belay.Belay, registry: belay.Registry,
-                queues: Any = ("default",), **options: Any) -> belay.Worker:
-    settings: dict[str, Any] = {"poll_interval": 0.05, "busy_poll": 0.01,
-                                "sweep_interval": 3600.0, "shutdown_grace": 5.0}
-    settings.update(options)
-    return belay.Worker(queues, client=client, registry=registry, **settings)
-
-
-@contextlib.contextmanager
-def running(worker: belay.Worker) -> Iterator[None]:
-    worker.start()
-    try:
-        yield
-    finally:
-        worker.stop()
 
 
 def scrape(url: str) -> Samples:
@@ -275,6 +259,45 @@ def test_a_run_whose_ack_crashes_still_ends_once(client: belay.Belay, sql_conn: 
             {"queue": "default", "kind": kind, "outcome": "crashed"}) == 1
         assert metrics.registry.get_sample_value(
             "belay_jobs_in_flight", {"queue": "default", "kind": kind}) == 0
+
+
+def test_a_chunk_whose_later_ack_crashes_leaves_a_handed_off_success_to_the_acker(
+    client: belay.Belay, sql_conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a chunk, job A's success goes to the acker (held up here), then job B's
+    ack fails: B ends ``crashed`` and A ends once, ``succeeded``, when the acker
+    writes it — never ``crashed`` first."""
+    gate, handed = threading.Event(), threading.Event()
+    real = store.ack_succeeded_many
+
+    def held(conn: Any, acks: Any, *args: Any, **kwargs: Any) -> Any:
+        handed.set()
+        assert gate.wait(15)
+        return real(conn, acks, *args, **kwargs)
+
+    monkeypatch.setattr(store, "ack_succeeded_many", held)
+    reg = belay.Registry()
+
+    @belay.worker(name="t.pair", registry=reg, chunk={"size": 2, "gather_ms": 0})
+    def pair(ctxs: list[belay.Context]) -> dict[int, Any]:
+        first, second = sorted(ctx.id for ctx in ctxs)
+        return {first: "fine", second: ValueError("bad")}
+
+    fine, bad = client.enqueue(pair), client.enqueue(pair)
+    sql_conn.execute("CREATE FUNCTION refuse_ack() RETURNS trigger LANGUAGE plpgsql AS "
+                     "$$ BEGIN RAISE EXCEPTION 'ack refused by the test'; END $$")
+    sql_conn.execute(f"CREATE TRIGGER refuse_ack BEFORE UPDATE ON belay_jobs FOR EACH ROW "
+                     f"WHEN (NEW.id = {bad.id} AND NEW.state <> 'running') "
+                     "EXECUTE FUNCTION refuse_ack()")
+    worker = make_worker(client, reg)
+    ends = Ends(worker)
+    with running(worker):
+        assert handed.wait(15)
+        ends.wait_for(1)
+        gate.set()
+        ends.wait_for(2)
+    assert [(e.job.id, e.outcome) for e in ends.events] == [(bad.id, "crashed"),
+                                                             (fine.id, "succeeded")]
 
 
 # -- Prometheus ---------------------------------------------------------------------------------
