@@ -81,16 +81,23 @@ class Outcome:
 
 def error_entry(exc: BaseException, attempt: int) -> dict[str, Any]:
     """An ``errors`` entry: ``{"error": "Type: message", "attempt": n, "traceback": …}``."""
-    entry: dict[str, Any] = {"error": _describe(exc), "attempt": attempt}
+    entry: dict[str, Any] = {"error": storable(_describe(exc)), "attempt": attempt}
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     if trace:
-        entry["traceback"] = trace[-TRACEBACK_LIMIT:]
+        entry["traceback"] = storable(trace[-TRACEBACK_LIMIT:])
     return entry
 
 
 def _describe(exc: BaseException) -> str:
     text = str(exc)[:MESSAGE_LIMIT]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def storable(text: str) -> str:
+    """``text`` as jsonb can hold it: NUL written out as ``\\x00``, lone
+    surrogates replaced. An error message with either would otherwise make
+    every ack of the job fail, and the job be reclaimed forever."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "replace").decode("utf-8")
 
 
 def retry_or_fail(

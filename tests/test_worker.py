@@ -255,6 +255,22 @@ def test_a_return_succeeds_and_stores_the_result(client, sql_conn, clock) -> Non
     assert client.await_result(job.id, timeout=1)["echo"] == {"x": [1, "two"]}
 
 
+def test_an_error_message_jsonb_cannot_hold_is_still_recorded(client, sql_conn) -> None:
+    """NUL and a lone surrogate in an exception's message: the retry is recorded
+    with them written out (before, every ack failed and the job was reclaimed
+    forever)."""
+    reg = belay.Registry()
+
+    @belay.worker(name="nul", max_attempts=2, registry=reg)
+    def nul(ctx: belay.Context) -> None:
+        raise ValueError("bad\x00byte \ud800!")
+
+    job = client.enqueue(nul)
+    assert make_worker(client, reg).drain() == {"retry": 1}
+    (error,) = job_row(sql_conn, job.id)["errors"]
+    assert error["error"] == "ValueError: bad\\x00byte ?!"
+
+
 def test_a_raise_retries_with_the_backoff_then_fails_at_max_attempts(client, sql_conn,
                                                                       clock) -> None:
     reg = belay.Registry()
