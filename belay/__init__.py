@@ -256,8 +256,9 @@ def steps(job_id: int, *, conn: Conn | None = None) -> list[Step]:
     return default().steps(job_id, conn=conn)
 
 
-def events(job_id: int, after: int = 0, *, conn: Conn | None = None) -> list[Event]:
-    return default().events(job_id, after, conn=conn)
+def events(job_id: int, after: int = 0, *, limit: int | None = None,
+           conn: Conn | None = None) -> list[Event]:
+    return default().events(job_id, after, limit=limit, conn=conn)
 
 
 def subscribe_events(

@@ -482,10 +482,16 @@ class Belay:
         with self.connection(conn) as active:
             return store.list_steps(active, _job_id(job_id))
 
-    def events(self, job_id: int, after: int = 0, *, conn: Conn | None = None) -> list[Event]:
-        """A job's event stream after sequence number ``after`` (0: from the start)."""
+    def events(self, job_id: int, after: int = 0, *, limit: int | None = None,
+               conn: Conn | None = None) -> list[Event]:
+        """A job's event stream after sequence number ``after`` (0: from the start),
+        at most ``limit`` of them (None: all)."""
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValidationError(f"limit must be an integer >= 1 or None, got {limit!r}")
         with self.connection(conn) as active:
-            return store.list_events(active, _job_id(job_id), after)
+            return store.list_events(active, _job_id(job_id), after, limit)
 
     def subscribe_events(
         self, job_id: int, after: int = 0, *, timeout: float | None = None,

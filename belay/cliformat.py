@@ -147,13 +147,14 @@ def job_text(detail: Mapping[str, Any]) -> str:
 
     steps = detail["steps"]
     cost = detail["journal_cost"]
-    out += ["", f"steps ({len(steps)})  total {spent(cost['usd'], cost['tokens'])}"]
+    out += ["", f"steps ({_shown(len(steps), detail, 'steps', 'first')})  "
+                f"total {spent(cost['usd'], cost['tokens'])}"]
     if steps:
         out.append(table(["SEQ", "NAME", "COST", "AT", "VALUE"], [
             [s["seq"], s["name"], spent(s["usd"], s["tokens"]), when(s["inserted_at"]),
              compact(s["value"])] for s in steps], indent="  "))
     events = detail["events"]
-    out += ["", f"events ({len(events)})"]
+    out += ["", f"events ({_shown(len(events), detail, 'events', 'newest')})"]
     if events:
         out.append(table(["SEQ", "AT", "PAYLOAD"], [
             [e["seq"], when(e["inserted_at"]), compact(e["payload"])] for e in events],
@@ -162,7 +163,7 @@ def job_text(detail: Mapping[str, Any]) -> str:
     out += ["", f"errors ({len(errors)})"]
     out += [f"  {_error_line(e)}" for e in errors]
     children = detail["children"]
-    out += ["", f"children ({len(children)})"]
+    out += ["", f"children ({_shown(len(children), detail, 'children', 'first')})"]
     if children:
         out.append(jobs_table(children, indent="  "))
     workflow = detail["workflow"]
@@ -254,3 +255,9 @@ def pruned_text(counts: Mapping[str, int]) -> str:
     lines += [f"  {kind:<12} {counts.get(kind, 'kept forever')}"
               for kind in PRUNED]
     return "\n".join(lines)
+
+
+def _shown(count: int, detail: Mapping[str, Any], part: str, which: str) -> str:
+    """``3``, or ``the newest 200 of 5,000`` when the detail holds only some."""
+    total = detail.get(f"{part}_total", count)
+    return str(count) if total <= count else f"the {which} {count} of {total:,}"

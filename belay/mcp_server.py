@@ -148,21 +148,27 @@ def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
     def job_events(
         job_id: JobId,
         after: Annotated[int, Field(description="only events with a larger seq; 0: all")] = 0,
+        limit: Annotated[int, Field(description="at most this many events (1-1000)")] = 200,
     ) -> dict[str, Any]:
-        """A job's events after sequence number ``after``, in order; poll with the
-        last seq seen to follow a running job."""
+        """A job's events after sequence number ``after``, in order, at most
+        ``limit``; call again with ``after=last_seq`` for more (``more`` says
+        whether there are), or to follow a running job."""
         if after < 0:
             raise ToolError(f"after is a seq >= 0 (0 for every event), got {after}")
+        if not 1 <= limit <= 1000:
+            raise ToolError(f"limit is 1 to 1000, got {limit}")
 
         def run() -> dict[str, Any] | None:
             with client.connection() as conn:
                 job = client.get_job(job_id, conn=conn)
                 if job is None:
                     return None
-                events = client.events(job_id, after, conn=conn)
+                events = client.events(job_id, after, limit=limit + 1, conn=conn)
+            more = len(events) > limit
+            events = events[:limit]
             return {"job_id": job_id, "state": job.state,
                     "events": [ops.event_view(e) for e in events],
-                    "last_seq": events[-1].seq if events else after}
+                    "last_seq": events[-1].seq if events else after, "more": more}
         found = _call(run)
         if found is None:
             raise ToolError(_no_job(job_id))
@@ -259,6 +265,9 @@ def _call(fn: Callable[[], _T]) -> _T:
                         "database role the privilege, or connect as another role)") from exc
     except psycopg.OperationalError as exc:
         raise ToolError(f"the database is unreachable: {str(exc).strip()}") from exc
+    except psycopg.DataError as exc:  # a value PostgreSQL can't take, like a NUL
+        raise ToolError(f"the database refused a value of this call: {str(exc).strip()}") \
+            from exc
 
 
 def _no_job(job_id: int) -> str:

@@ -112,25 +112,43 @@ def workflow_view(status: WorkflowStatus) -> dict[str, Any]:
     }
 
 
-def job_detail(client: Any, job_id: int) -> dict[str, Any] | None:
-    """A job with its step journal (and the journal's cost), events, children
-    and workflow; None when there is no such job."""
+#: How much of a job :func:`job_detail` shows: the first steps, the newest
+#: events, the first children (each with its total, so a view can say so).
+DETAIL_STEPS = 500
+DETAIL_EVENTS = 200
+DETAIL_CHILDREN = 200
+
+
+def job_detail(client: Any, job_id: int, *, steps: int = DETAIL_STEPS,
+               events: int = DETAIL_EVENTS, children: int = DETAIL_CHILDREN
+               ) -> dict[str, Any] | None:
+    """A job with its step journal (and the whole journal's cost), events,
+    children and workflow; None when there is no such job.
+
+    Bounded, since views poll it: the first ``steps`` journal entries, the
+    newest ``events`` events and the first ``children`` children, with
+    ``steps_total``, ``events_total`` and ``children_total`` counting all."""
     with client.connection() as conn:
         job = store.get_job(conn, job_id)
         if job is None:
             return None
-        steps = store.list_steps(conn, job_id)
-        events = store.list_events(conn, job_id, 0)
-        children = store.children(conn, job_id)
+        journal = store.steps_head(conn, job_id, steps)
+        totals = store.step_totals(conn, job_id)
+        newest = store.events_tail(conn, job_id, events)
+        events_total = store.count_events(conn, job_id)
+        kids = store.children_head(conn, job_id, children)
+        children_total = store.count_children(conn, job_id)
         members = (store.workflow_jobs(conn, job.workflow_id)
                    if job.workflow_id is not None else None)
     return {
         "job": job_view(job),
-        "steps": [step_view(s) for s in steps],
-        "journal_cost": {"usd": sum(s.usd_micros for s in steps) / 1_000_000,
-                         "tokens": sum(s.tokens for s in steps)},
-        "events": [event_view(e) for e in events],
-        "children": [job_line(kid) for kid in children],
+        "steps": [step_view(s) for s in journal],
+        "steps_total": totals["count"],
+        "journal_cost": {"usd": totals["usd_micros"] / 1_000_000, "tokens": totals["tokens"]},
+        "events": [event_view(e) for e in newest],
+        "events_total": events_total,
+        "children": [job_line(kid) for kid in kids],
+        "children_total": children_total,
         "workflow": (None if members is None or job.workflow_id is None
                      else workflow_view(WorkflowStatus(job.workflow_id, members))),
     }
@@ -186,6 +204,9 @@ def load_authorizer(spec: str) -> Authorizer:
     except ImportError as exc:
         raise ConfigurationError(f"authorizer {spec!r}: cannot import {module_name!r}: "
                                  f"{exc}") from None
+    except Exception as exc:  # the module itself is broken: say so, not a traceback
+        raise ConfigurationError(f"authorizer {spec!r}: importing {module_name!r} failed: "
+                                 f"{type(exc).__name__}: {exc}") from None
     target: Any = module
     for part in attr.split("."):
         target = getattr(target, part, None)

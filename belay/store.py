@@ -161,9 +161,34 @@ def list_steps(conn: Conn, job_id: int) -> list[Step]:
     return [Step.from_row(r) for r in _rows(conn, "list_steps", (job_id,))]
 
 
-def list_events(conn: Conn, job_id: int, after: int) -> list[Event]:
+def steps_head(conn: Conn, job_id: int, limit: int) -> list[Step]:
+    return [Step.from_row(r) for r in _rows(conn, "steps_head", (job_id, limit))]
+
+
+def step_totals(conn: Conn, job_id: int) -> dict[str, int]:
+    return _rows(conn, "step_totals", (job_id,))[0]
+
+
+def events_tail(conn: Conn, job_id: int, limit: int) -> list[Event]:
     return [Event(r["seq"], r["payload"], r["inserted_at"])
-            for r in _rows(conn, "list_events", (job_id, after))]
+            for r in _rows(conn, "events_tail", (job_id, limit))]
+
+
+def count_events(conn: Conn, job_id: int) -> int:
+    return int(_value(conn, "count_events", (job_id,)))
+
+
+def children_head(conn: Conn, parent_id: int, limit: int) -> list[Job]:
+    return [Job.from_row(r) for r in _rows(conn, "children_head", (parent_id, limit))]
+
+
+def count_children(conn: Conn, parent_id: int) -> int:
+    return int(_value(conn, "count_children", (parent_id,)))
+
+
+def list_events(conn: Conn, job_id: int, after: int, limit: int | None = None) -> list[Event]:
+    return [Event(r["seq"], r["payload"], r["inserted_at"])
+            for r in _rows(conn, "list_events", (job_id, after, limit))]
 
 
 def get_signal(conn: Conn, scopes: Sequence[str], name: str) -> tuple[bool, Any]:

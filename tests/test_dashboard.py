@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -274,6 +275,7 @@ def pages_size() -> int:
     ("state=bogus", "unknown state 'bogus'"),
     ("parent=abc", "parent is a job id"),
     ("before_id=-3", "before_id is a job id"),
+    ("kind=a%00b", "the database refused a value"),
 ])
 def test_a_bad_filter_is_a_400_naming_the_problem(app, query, says):
     page = call(app, "GET", "/jobs", query=query)
@@ -514,6 +516,7 @@ def test_an_action_is_json_or_nothing(sql_conn, token_app):
     ("signal", {}, 400, "signal needs name"),
     ("signal", {"name": "go", "payload": [1]}, 400, "a signal payload is a JSON object"),
     ("steer", {"payload": "stop"}, 400, "steering is a JSON object"),
+    ("signal", {"name": "go\u0000"}, 400, "the database refused a value"),
     ("retry", {}, 409, "only failed or cancelled jobs can be retried"),
     ("explode", {}, 404, "no action at POST"),
 ])
@@ -735,3 +738,42 @@ def test_the_serve_line_says_when_the_dashboard_is_read_only(db_url):
     with run_dashboard(db_url) as (_url, _proc, line):
         assert line.rstrip().endswith("/ (read-only)")
 
+
+
+def test_an_allowed_host_lets_a_reverse_proxy_through_and_no_other_name(db_url):
+    """Behind a proxy that forwards ``Host: dash.example.com``: named with
+    --allowed-host, that name is served (and its same-origin POST reaches the
+    access check); any other name is still refused."""
+    with run_dashboard(db_url, "--allowed-host", "Dash.Example.com") as (url, _proc, _line):
+        def get(host: str) -> int:
+            request = urllib.request.Request(url + "/api/overview", headers={"Host": host})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as reply:
+                    return reply.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert get("dash.example.com") == 200
+        assert get("evil.example") == 421
+        post = urllib.request.Request(
+            url + "/api/jobs/1/cancel", data=b"{}", method="POST",
+            headers={"Host": "dash.example.com", "Origin": "https://dash.example.com",
+                     "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(post, timeout=10)
+        assert refused.value.code == 403
+        assert "read-only" in json.load(refused.value)["error"]
+
+
+def test_a_job_with_more_events_than_a_view_holds_says_so(client, sql_conn, app):
+    job_id = insert_job(sql_conn)
+    sql_conn.execute(
+        "INSERT INTO belay_events (job_id, seq, payload, inserted_at) "
+        "SELECT %s, n, jsonb_build_object('n', n), now() FROM generate_series(1, 205) AS n",
+        (job_id,))
+    data = call(app, "GET", f"/api/jobs/{job_id}").json
+    assert data["events_total"] == 205 and len(data["events"]) == 200
+    assert data["events"][-1]["seq"] == 205
+    page = call(app, "GET", f"/jobs/{job_id}").text
+    assert 'id="events-shown" data-which="newest">showing the newest 200 of 205<' in page
+    assert 'id="steps-shown" data-which="first" hidden>' in page

@@ -167,6 +167,8 @@ def test_stdio_session_reads_what_the_database_holds(
         out["kids"] = ok(await mcp.call_tool("list_jobs", {"parent_id": seed.agent}))
         out["agent"] = ok(await mcp.call_tool("get_job", {"job_id": seed.agent}))
         out["events"] = ok(await mcp.call_tool("job_events", {"job_id": seed.agent, "after": 1}))
+        out["first_event"] = ok(await mcp.call_tool("job_events",
+                                                    {"job_id": seed.agent, "limit": 1}))
         out["workflow"] = ok(await mcp.call_tool("workflow_status",
                                                  {"workflow_id": seed.workflow}))
         [load] = [j for j in out["workflow"]["jobs"] if j["name"] == "load"]
@@ -239,7 +241,11 @@ def test_stdio_session_reads_what_the_database_holds(
 
     # job_events: after a seq.
     assert out["events"]["events"] == agent["events"][1:]
-    assert out["events"]["last_seq"] == events[-1]["seq"]
+    assert out["events"]["last_seq"] == events[-1]["seq"] and out["events"]["more"] is False
+    # ...and a page of one: the first event, and more to come.
+    assert out["first_event"]["events"] == agent["events"][:1]
+    assert out["first_event"]["more"] is True
+    assert out["first_event"]["last_seq"] == agent["events"][0]["seq"]
 
     # workflow_status, and a member's get_job carries its workflow.
     members = rows(sql_conn, "SELECT id, wf_name, state FROM belay_jobs WHERE workflow_id = %s",
@@ -483,6 +489,7 @@ def test_bad_arguments_are_tool_errors_with_the_clients_message(
             "state": ("list_jobs", {"state": "sleeping"}),
             "after": ("job_events", {"job_id": seed.agent, "after": -1}),
             "events_missing": ("job_events", {"job_id": 987654}),
+            "events_limit": ("job_events", {"job_id": seed.agent, "limit": 0}),
             "payload_type": ("signal", {"job_id": seed.agent, "name": "x", "payload": [1, 2]}),
             "signal_name": ("signal", {"job_id": seed.agent, "name": ""}),
             "steer_missing": ("steer_job", {"job_id": seed.agent}),
@@ -490,6 +497,7 @@ def test_bad_arguments_are_tool_errors_with_the_clients_message(
             "cancel_missing": ("cancel_job", {"job_id": 987654}),
             "retry_succeeded": ("retry_job", {"job_id": seed.kid}),
             "no_such_tool": ("drop_everything", {}),
+            "nul_kind": ("list_jobs", {"kind": "a\x00b"}),
         }
         out = {key: refused(await mcp.call_tool(tool, args))
                for key, (tool, args) in calls.items()}
@@ -505,6 +513,7 @@ def test_bad_arguments_are_tool_errors_with_the_clients_message(
     assert message(lambda: client.list_jobs(state="sleeping")) in out["state"]
     assert "after is a seq >= 0" in out["after"]
     assert "no job 987654" in out["events_missing"]
+    assert "limit is 1 to 1000, got 0" in out["events_limit"]
     assert "payload" in out["payload_type"]
     assert "signal needs name, a non-empty string" in out["signal_name"]
     assert "payload" in out["steer_missing"] and "required" in out["steer_missing"].lower()
@@ -512,6 +521,7 @@ def test_bad_arguments_are_tool_errors_with_the_clients_message(
     assert message(lambda: client.cancel_job(987654)) in out["cancel_missing"]
     assert message(lambda: client.retry_job(seed.kid)) in out["retry_succeeded"]
     assert "drop_everything" in out["no_such_tool"]
+    assert "the database refused a value of this call" in out["nul_kind"]
     assert json.loads(out["still_serving"])["job"]["state"] == "succeeded"
 
 

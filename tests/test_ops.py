@@ -189,6 +189,14 @@ def test_bad_arguments_are_refused_before_the_authorizer_is_asked(
     assert asked == []
 
 
+def test_a_broken_authorizer_module_is_a_configuration_error(tmp_path, monkeypatch) -> None:
+    (tmp_path / "broken_guard_mod.py").write_text("def authorize(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(belay.ConfigurationError, match="importing 'broken_guard_mod' failed: "
+                                                      "SyntaxError"):
+        load_authorizer("broken_guard_mod:authorize")
+
+
 def test_load_authorizer_imports_module_colon_callable() -> None:
     assert load_authorizer("json:dumps") is __import__("json").dumps
     assert load_authorizer("os.path:join") is __import__("os").path.join
@@ -196,3 +204,27 @@ def test_load_authorizer_imports_module_colon_callable() -> None:
                           ("json:nope", "has no 'nope'"), ("json:__doc__", "not callable")]:
         with pytest.raises(belay.ConfigurationError, match=message):
             load_authorizer(spec)
+
+
+def test_job_detail_is_bounded_and_counts_what_it_leaves_out(
+    client: belay.Belay, sql_conn: Conn
+) -> None:
+    parent = client.enqueue("Ops.Parent", {}).id
+    sql_conn.execute(
+        "INSERT INTO belay_steps (job_id, seq, name, value, usd_micros, tokens, inserted_at) "
+        "SELECT %s, n, 's' || n, convert_to(n::text, 'UTF8'), 100 * n, n, %s "
+        "FROM generate_series(1, 3) AS n", (parent, START))
+    sql_conn.execute(
+        "INSERT INTO belay_events (job_id, seq, payload, inserted_at) "
+        "SELECT %s, n, jsonb_build_object('n', n), %s FROM generate_series(1, 3) AS n",
+        (parent, START))
+    kids = [helpers.insert_job(sql_conn, kind="Ops.Child", parent_id=parent) for _ in range(2)]
+
+    detail = job_detail(client, parent, steps=2, events=2, children=1)
+    assert detail is not None
+    assert [s["name"] for s in detail["steps"]] == ["s1", "s2"] and detail["steps_total"] == 3
+    # The whole journal's cost, not only the entries shown.
+    assert detail["journal_cost"] == {"usd": 0.0006, "tokens": 6}
+    assert [e["seq"] for e in detail["events"]] == [2, 3] and detail["events_total"] == 3
+    assert [kid["id"] for kid in detail["children"]] == kids[:1]
+    assert detail["children_total"] == 2

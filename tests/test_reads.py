@@ -424,6 +424,18 @@ def test_events_after_filters_by_seq(client: Belay, sql_conn: Conn) -> None:
     assert client.events(job_id, after=99) == []
 
 
+def test_events_page_with_a_limit(client: Belay, sql_conn: Conn) -> None:
+    job_id = insert_job(sql_conn)
+    for seq in range(1, 6):
+        insert_event(sql_conn, job_id, seq, {"seq": seq})
+    assert [e.seq for e in client.events(job_id, limit=2)] == [1, 2]
+    assert [e.seq for e in client.events(job_id, after=2, limit=2)] == [3, 4]
+    assert [e.seq for e in client.events(job_id, after=4, limit=2)] == [5]
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValidationError, match="limit must be an integer >= 1 or None"):
+            client.events(job_id, limit=bad)
+
+
 def test_events_of_a_job_without_events_is_empty(client: Belay, sql_conn: Conn) -> None:
     assert client.events(insert_job(sql_conn)) == []
 

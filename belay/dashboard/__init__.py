@@ -50,10 +50,12 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(url: str, *, host: str = "127.0.0.1", port: int = 8766, guard: Guard | None = None,
-          token: str | None = None, threads: int = 8) -> None:
+          token: str | None = None, threads: int = 8,
+          allowed_hosts: Collection[str] = ()) -> None:
     """Serve the dashboard of the database at ``url`` under waitress until
     interrupted (Ctrl-C or SIGTERM). Port 0 picks a free port; the line printed
-    first says which URL it serves."""
+    first says which URL it serves. On a loopback address it answers to the
+    loopback names and ``allowed_hosts`` (the name a reverse proxy forwards)."""
     try:
         from waitress import create_server
     except ImportError:
@@ -63,7 +65,8 @@ def serve(url: str, *, host: str = "127.0.0.1", port: int = 8766, guard: Guard |
     with Belay(url) as client:
         client.check_schema()
         app = make_app(client, guard=guard, token=token,
-                       allowed_hosts=LOOPBACK_NAMES | {host} if loopback else None)
+                       allowed_hosts=(LOOPBACK_NAMES | {host} | {h.lower() for h in allowed_hosts}
+                                      if loopback else None))
         try:
             server: Any = create_server(app, host=host, port=port, threads=threads,
                                         ident="belay", clear_untrusted_proxy_headers=True)

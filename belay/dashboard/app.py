@@ -197,6 +197,10 @@ class Dashboard:
             return self._failure(_Failure(409, str(exc)), api, page)
         except ValidationError as exc:
             return self._failure(_Failure(400, str(exc)), api, page)
+        except psycopg.DataError as exc:  # a value PostgreSQL can't take, like a NUL
+            return self._failure(_Failure(
+                400, f"the database refused a value of this request: "
+                     f"{' '.join(str(exc).split())}"), api, page)
         except SchemaError as exc:
             return self._failure(_Failure(503, str(exc)), api, page)
         except self.unavailable as exc:

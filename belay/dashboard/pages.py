@@ -325,21 +325,31 @@ def job_page(page: Page, detail: Mapping[str, Any]) -> str:
         '<th>value</th><th>cost</th><th>tokens</th><th>at</th></tr></thead>'
         '<tbody id="steps">{}</tbody><tfoot><tr><td></td><td>total</td><td></td>'
         '<td class="num" id="journal-usd">{}</td><td class="num" id="journal-tokens">{}</td>'
-        "<td></td></tr></tfoot></table>"
+        "<td></td></tr></tfoot></table>{}"
         '<h2>Events</h2><table class="events"><thead><tr><th>seq</th><th>payload</th>'
-        '<th>at</th></tr></thead><tbody id="events">{}</tbody></table>'
+        '<th>at</th></tr></thead><tbody id="events">{}</tbody></table>{}'
         '<p class="empty muted" data-empty="events"{}>No events.</p>'
-        "<h2>Children</h2>{}",
+        "<h2>Children</h2>{}{}",
         job_id, j["kind"], state_badge(j["state"]), join(links, " · "), actions(page),
         fields, pretty(j["input"]), pretty(j["meta"]),
         pretty(j["result"]) if j["result"] is not None else "—", graph,
         errors, Safe(" hidden" if j.get("errors") else ""),
         join(step_row(s) for s in detail["steps"]), usd(cost["usd"]), cost["tokens"],
-        join(event_row(e) for e in detail["events"]),
+        shown_note(detail, "steps", "first"),
+        join(event_row(e) for e in detail["events"]), shown_note(detail, "events", "newest"),
         Safe(" hidden" if detail["events"] else ""),
-        job_table(page, detail["children"], "children"))
+        job_table(page, detail["children"], "children"), shown_note(detail, "children", "first"))
     return layout(page, f"Job {job_id}", "job", body, api=page.url(f"/api/jobs/{job_id}"),
                   data={"job-id": job_id})
+
+
+def shown_note(detail: Mapping[str, Any], part: str, which: str) -> Safe:
+    """"Showing the newest 200 of 5,000": shown when a job's detail holds only
+    part of its steps, events or children (the script keeps it current)."""
+    count, total = len(detail[part]), detail.get(f"{part}_total", len(detail[part]))
+    return html('<p class="muted" id="{}-shown" data-which="{}"{}>showing the {} {} of {}</p>',
+                part, which, Safe("" if total > count else " hidden"), which, count,
+                f"{total:,}")
 
 
 # -- Workflow ------------------------------------------------------------------------------

@@ -127,9 +127,36 @@ GROUP BY queue, state;
 SELECT seq, name, value, usd_micros, tokens, inserted_at
 FROM belay_steps WHERE job_id = %s ORDER BY seq;
 
+-- name: steps_head
+-- The first N entries of a job's journal (what an operator's view shows).
+SELECT seq, name, value, usd_micros, tokens, inserted_at
+FROM belay_steps WHERE job_id = %s ORDER BY seq LIMIT %s;
+
+-- name: step_totals
+SELECT count(*) AS count, COALESCE(sum(usd_micros), 0)::bigint AS usd_micros,
+       COALESCE(sum(tokens), 0)::bigint AS tokens
+FROM belay_steps WHERE job_id = %s;
+
+-- name: events_tail
+-- The newest N events of a job, oldest first.
+SELECT seq, payload, inserted_at FROM (
+  SELECT seq, payload, inserted_at FROM belay_events
+  WHERE job_id = %s ORDER BY seq DESC LIMIT %s
+) AS newest ORDER BY seq;
+
+-- name: count_events
+SELECT count(*) FROM belay_events WHERE job_id = %s;
+
+-- name: children_head
+SELECT {job_columns} FROM belay_jobs WHERE parent_id = %s ORDER BY id LIMIT %s;
+
+-- name: count_children
+SELECT count(*) FROM belay_jobs WHERE parent_id = %s;
+
 -- name: list_events
+-- LIMIT NULL is no limit.
 SELECT seq, payload, inserted_at FROM belay_events
-WHERE job_id = %s AND seq > %s ORDER BY seq;
+WHERE job_id = %s AND seq > %s ORDER BY seq LIMIT %s;
 
 -- name: upsert_signal
 -- §8.1: upsert-latest; the row persists until cleared or TTL-pruned, so an

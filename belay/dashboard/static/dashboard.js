@@ -113,6 +113,14 @@
     if (empty) empty.hidden = rows.length > 0;
   }
 
+  // "showing the newest 200 of 5,000" under a part the detail holds only some of.
+  function setShown(part, count, total) {
+    const note = document.getElementById(part + "-shown");
+    if (!note || typeof total !== "number") return;
+    note.hidden = total <= count;
+    note.textContent = "showing the " + note.dataset.which + " " + count + " of " + total.toLocaleString("en-US");
+  }
+
   function changed(key, value) {
     const text = JSON.stringify(value);
     if (last[key] === text) return false;
@@ -277,6 +285,7 @@
         ])));
       }
       if (changed("children", data.children)) replaceRows("children", data.children.map(jobRow));
+      for (const part of ["steps", "events", "children"]) setShown(part, data[part].length, data[part + "_total"]);
       if (data.workflow) updateDag(data.workflow.jobs);
     },
 
