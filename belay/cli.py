@@ -17,7 +17,8 @@ Exit codes:
 4    not possible in the job's current state (retrying a job that did not fail)
 5    ``replay`` diverged from the record (blocked, raised, unused or reordered
      journal entries, another result)
-130  interrupted (Ctrl-C)
+130  interrupted (Ctrl-C); the servers (``worker``, ``mcp``, ``dashboard``)
+     exit 0 on SIGINT and SIGTERM
 ===  ==========================================================================
 
 Errors go to stderr as ``belay: <what went wrong and what to do>``. Output cut
@@ -127,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
                            "signal and steer from the page")
     dash.add_argument("--authorizer", default=None, metavar="MODULE:CALLABLE",
                       help="authorize(action, args) decides each mutation")
+    dash.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[],
+                      metavar="NAME", help="a Host name to answer to besides 127.0.0.1, "
+                      "localhost and ::1, like the one a reverse proxy forwards (repeatable)")
     demo = commands.add_parser(
         "demo", help="a live tour on a real database (an embedded one when no --url)"
     )
@@ -424,7 +428,8 @@ def _dashboard(args: argparse.Namespace) -> int:
             token = fh.read().strip()
         if not token:
             raise ConfigurationError(f"--token-file {args.token_file}: the file is empty")
-    dashboard.serve(args.url, host=args.host, port=args.port, guard=_guard(args), token=token)
+    dashboard.serve(args.url, host=args.host, port=args.port, guard=_guard(args), token=token,
+                    allowed_hosts=args.allowed_hosts)
     return 0
 
 
@@ -521,8 +526,11 @@ def _events(args: argparse.Namespace, client: Belay) -> int:
     if args.follow:
         job = client.get_job(args.job_id)
         if job is not None and not job.terminal:
-            print(f"belay: stopped following after {args.timeout:g} s; job {args.job_id} is "
-                  f"still {job.state}", file=sys.stderr)
+            said = (f"job {args.job_id} finished, then was retried: it is {job.state} now"
+                    if args.timeout is None else
+                    f"stopped following after {args.timeout:g} s; job {args.job_id} is "
+                    f"still {job.state}")
+            print(f"belay: {said}", file=sys.stderr)
     elif not printed and not args.json:
         print(f"no events after seq {args.after}")
     return 0
