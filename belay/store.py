@@ -373,11 +373,14 @@ def park_await(
 
 
 def claim(
-    conn: Conn, queue: str, take: int, node: str, now: datetime, lease_until: datetime
+    conn: Conn, queue: str, take: int, node: str, now: datetime, lease_until: datetime,
+    kinds: Sequence[str] | None = None,
 ) -> list[Job]:
-    """§6 plain claim: up to ``take`` ready or due-awaiting jobs, now leased to ``node``."""
+    """§6 plain claim: up to ``take`` ready or due-awaiting jobs (of ``kinds``
+    only, when given), now leased to ``node``."""
     found = _rows(conn, "claim", {
         "queue": queue, "take": take, "node": node, "now": now, "lease_until": lease_until,
+        "kinds": None if kinds is None else list(kinds),
     })
     jobs = [Job.from_row(r) for r in found]
     jobs.sort(key=lambda j: (j.priority, j.ready_at is not None, j.ready_at or now, j.id))
@@ -385,7 +388,8 @@ def claim(
 
 
 def claim_admitted(
-    conn: Conn, spec: QueueSpec, demand: int, node: str, now: datetime, lease_until: datetime
+    conn: Conn, spec: QueueSpec, demand: int, node: str, now: datetime, lease_until: datetime,
+    kinds: Sequence[str] | None = None,
 ) -> list[Job]:
     """§6 claim through admission: global limit, rate window, partitions.
 
@@ -415,7 +419,7 @@ def claim_admitted(
     if take <= 0:
         return []
     params = {"queue": spec.name, "take": take, "node": node, "now": now,
-              "lease_until": lease_until}
+              "lease_until": lease_until, "kinds": None if kinds is None else list(kinds)}
     if spec.partition is None:
         found = _rows(conn, "claim", params)
     else:

@@ -68,6 +68,7 @@ def _script(take: int) -> str:
     claim = _statement("claim", {
         "queue": "'default'", "now": "now()", "take": str(take),
         "lease_until": "now() + interval '30 seconds'", "node": "'raw-' || :client_id",
+        "kinds": "NULL",
     })
     if take == 1:
         gather = "SELECT COALESCE(min(id), 0) AS id, COALESCE(min(attempt), 0) AS attempt"
@@ -118,7 +119,7 @@ def _psycopg_drain(url: str, take: int, start: Any) -> None:
             now = datetime.now(timezone.utc)
             rows = conn.execute(QUERIES["claim"], {
                 "queue": "default", "take": take, "node": node, "now": now,
-                "lease_until": now + timedelta(seconds=30),
+                "lease_until": now + timedelta(seconds=30), "kinds": None,
             }).fetchall()
             if not rows:
                 return

@@ -84,6 +84,7 @@ def _plan(conn: psycopg.Connection[Any]) -> str:
     now = datetime.now(timezone.utc)
     row = conn.execute("EXPLAIN (FORMAT JSON) " + QUERIES["claim"], {
         "queue": "default", "take": TAKE, "node": NODE, "now": now, "lease_until": now,
+        "kinds": None,
     }).fetchone()
     assert row is not None
     nodes = list(_walk(row[0][0]["Plan"]))

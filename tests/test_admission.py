@@ -528,3 +528,30 @@ def test_executor_threads_follow_the_live_queues(client, registry) -> None:
         worker.sync_queues()
         wait_until(lambda: executors() == before + 2, "the extra executors retired")
     wait_until(lambda: executors() == before, "every executor stopped")
+
+
+def test_a_claim_limited_to_some_kinds_leaves_the_others_untouched(client, clock, sql_conn) -> None:
+    """What an HTTP worker registered for some tasks claims: only those kinds,
+    plain and through admission (global limit, partition), others never locked."""
+    client.enqueue_many([belay.JobSpec(kind, {"tenant": t}, queue="t")
+                         for kind in ("py.only", "http.task") for t in ("A", "B")])
+    now = clock.now()
+    lease = now + timedelta(seconds=30)
+    with client.transaction() as conn:
+        plain = store.claim(conn, "t", 10, "n1", now, lease, kinds=["http.task"])
+    assert sorted((j.kind, j.input["tenant"]) for j in plain) == [
+        ("http.task", "A"), ("http.task", "B")]
+    sql_conn.execute("UPDATE belay_jobs SET state = 'ready', attempt = 0, leased_by = NULL, "
+                     "lease_until = NULL WHERE kind = 'http.task'")
+    for options in ({"limit": 8, "global_limit": 5},
+                    {"limit": 8, "partition": {"input": "tenant"}}):
+        spec = parse_spec("t", options)
+        with client.transaction() as conn:
+            admitted = store.claim_admitted(conn, spec, 8, "n1", now, lease, kinds=["http.task"])
+        assert {j.kind for j in admitted} == {"http.task"} and len(admitted) == 2, options
+        sql_conn.execute("UPDATE belay_jobs SET state = 'ready', attempt = 0, leased_by = NULL, "
+                         "lease_until = NULL WHERE kind = 'http.task'")
+    assert states(sql_conn, "t") == {"ready": 4}
+    untouched = sql_conn.execute("SELECT count(*) FROM belay_jobs WHERE kind = 'py.only' "
+                                 "AND attempt = 0 AND started_at IS NULL").fetchone()
+    assert untouched == (2,)

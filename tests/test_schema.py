@@ -431,7 +431,7 @@ def test_migration_3_claim_order_index_puts_null_ready_at_first(db_url: str) -> 
 
 #: The claim's own ready-set select (its first CTE), as the worker runs it.
 CLAIM_READY = QUERIES["claim"].split("WITH ready AS (", 1)[1].split("), due AS", 1)[0]
-CLAIM_PARAMS = {"queue": "q1", "now": NOW, "take": 10}
+CLAIM_PARAMS = {"queue": "q1", "now": NOW, "take": 10, "kinds": None}
 
 
 def _fill_ready_set(conn: psycopg.Connection[Any]) -> None:
@@ -514,7 +514,7 @@ def test_the_claim_reads_the_index_in_order_before_the_first_analyze(
     assert sql_conn.execute("SELECT reltuples FROM pg_class WHERE relname = 'belay_jobs'"
                             ).fetchone() == (-1,)
     params = {"queue": "q1", "take": 100, "node": "n", "now": NOW,
-              "lease_until": NOW + timedelta(seconds=30)}
+              "lease_until": NOW + timedelta(seconds=30), "kinds": None}
     with sql_conn.transaction():
         row = sql_conn.execute(f"EXPLAIN (FORMAT JSON) {QUERIES['claim']}", params).fetchone()
     assert row is not None

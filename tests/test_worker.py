@@ -881,7 +881,7 @@ def _sorts_of_the_table(node: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _explain_claim(conn: Conn) -> dict[str, Any]:
     params = {"queue": "q1", "take": 10, "node": "n", "now": START,
-              "lease_until": START + timedelta(seconds=30)}
+              "lease_until": START + timedelta(seconds=30), "kinds": None}
     row = conn.execute("EXPLAIN (FORMAT JSON) " + QUERIES["claim"], params).fetchone()
     assert row is not None
     document = row[0] if not isinstance(row[0], str) else json.loads(row[0])

@@ -23,6 +23,7 @@ WITH keyed AS (
          COALESCE((CASE WHEN %(source)s = 'meta' THEN meta ELSE input END) ->> %(key)s, '') AS k
   FROM belay_jobs
   WHERE queue = %(queue)s
+    AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
     AND ((state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s))
       OR (state = 'awaiting' AND ready_at IS NOT NULL AND ready_at <= %(now)s))
 ), ranked AS (
