@@ -8,7 +8,6 @@ a token or an authorizer is configured; see docs/operations.md.
 
 from __future__ import annotations
 
-import ipaddress
 import signal
 import sys
 import threading
@@ -18,13 +17,10 @@ from typing import Any
 from belay.client import Belay
 from belay.dashboard.app import Access, Dashboard, Request, Response, WSGIApp
 from belay.errors import ConfigurationError
+from belay.loopback import LOOPBACK_NAMES, is_loopback
 from belay.ops import Guard
 
 __all__ = ["Access", "Dashboard", "Request", "Response", "WSGIApp", "make_app", "serve"]
-
-#: The Host names a dashboard bound to a loopback address answers to.
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
-
 
 def make_app(client: Belay, *, guard: Guard | None = None, token: str | None = None,
              prefix: str = "", allowed_hosts: Collection[str] | None = None) -> WSGIApp:
@@ -38,15 +34,6 @@ def make_app(client: Belay, *, guard: Guard | None = None, token: str | None = N
     """
     return WSGIApp(Dashboard(client), Access.standalone(guard, token), prefix=prefix,
                    allowed_hosts=allowed_hosts)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def serve(url: str, *, host: str = "127.0.0.1", port: int = 8766, guard: Guard | None = None,

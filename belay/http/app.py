@@ -1,0 +1,424 @@
+"""The producer API as an ASGI app (Starlette): enqueue, read, cancel, results,
+signals and events over HTTP/JSON.
+
+Every database call runs on a worker thread (the client is blocking). A
+database failure is answered ``503 unavailable``, never an invented success.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any, Final
+
+import anyio
+import psycopg
+import psycopg_pool
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from belay.client import Belay
+from belay.codec import dumps
+from belay.errors import JobNotFound, SchemaError, ValidationError
+from belay.http.errors import STATUS, ApiError, error_body, invalid
+from belay.http.openapi import document
+from belay.http.options import parse_enqueue
+from belay.job import Job
+from belay.ops import event_view, job_view, jsonable
+
+DEFAULT_BODY_LIMIT: Final = 1_000_000
+MAX_EVENTS_PAGE: Final = 1000
+DEFAULT_EVENTS_PAGE: Final = 100
+#: The longest pause between two looks at a streamed job.
+STREAM_POLL: Final = 0.5
+_MAX_ID: Final = 2**63 - 1
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def build_app(
+    client: Belay,
+    *,
+    token: str | None = None,
+    body_limit: int = DEFAULT_BODY_LIMIT,
+    extra_routes: Sequence[BaseRoute] = (),
+    extra_openapi_paths: Mapping[str, Any] | None = None,
+    allowed_hosts: Collection[str] | None = None,
+) -> Starlette:
+    """The producer API over ``client``. ``token``: every producer call needs
+    ``Authorization: Bearer <token>``. ``body_limit``: the largest request body
+    in bytes (counted as it streams in, whatever Content-Length says).
+    ``extra_routes`` / ``extra_openapi_paths`` plug more endpoints in (the HTTP
+    worker protocol). ``allowed_hosts``: when given, a request whose Host header
+    names another host is refused (a loopback server's DNS-rebinding guard)."""
+    if token is not None and not token:
+        raise ValueError("token must be a non-empty string or None")
+    if isinstance(body_limit, bool) or not isinstance(body_limit, int) or body_limit < 1:
+        raise ValueError(f"body_limit must be a positive integer, got {body_limit!r}")
+    api = _Api(client, token)
+    spec = document(extra_openapi_paths or {})
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(spec)
+
+    routes: list[BaseRoute] = [
+        Route("/jobs", api.guarded(api.enqueue), methods=["POST"]),
+        Route("/jobs/{job_id}", api.guarded(api.get), methods=["GET"]),
+        Route("/jobs/{job_id}", api.guarded(api.cancel), methods=["DELETE"]),
+        Route("/jobs/{job_id}/result", api.guarded(api.result), methods=["GET"]),
+        Route("/jobs/{job_id}/signals/{name}", api.guarded(api.signal), methods=["POST"]),
+        Route("/jobs/{job_id}/events", api.guarded(api.events), methods=["GET"]),
+        Route("/jobs/{job_id}/events/stream", api.guarded(api.stream), methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        *extra_routes,
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: _http_error, ApiError: _api_error,
+                            Exception: _crash},
+    )
+    app.add_middleware(_BodyLimit, limit=body_limit,
+                       hosts=None if allowed_hosts is None else frozenset(
+                           h.lower() for h in allowed_hosts))
+    return app
+
+
+def json_response(content: Any, status: int = 200, headers: Mapping[str, str] | None = None
+                  ) -> Response:
+    return Response(dumps(content), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def error_response(code: str, message: str, headers: Mapping[str, str] | None = None
+                   ) -> Response:
+    return json_response(error_body(code, message), STATUS[code], headers)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.code, exc.message, exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        return error_response("method_not_allowed",
+                              f"{request.method} is not allowed on {request.url.path}",
+                              exc.headers)
+    if exc.status_code == 404:
+        return error_response("not_found", f"no endpoint {request.url.path}; "
+                              "GET /openapi.json lists them")
+    code = {400: "invalid_request", 401: "unauthorized", 413: "payload_too_large",
+            415: "unsupported_media_type", 503: "unavailable"}.get(exc.status_code, "internal")
+    return error_response(code, str(exc.detail))
+
+
+async def _crash(request: Request, exc: Exception) -> Response:
+    return error_response("internal", f"internal error ({type(exc).__name__}); see the "
+                          "server's log")
+
+
+def job_json(job: Job, **extra: Any) -> dict[str, Any]:
+    return {"type": "job", **job_view(job), **extra}
+
+
+class _Api:
+    """The producer endpoints over one client."""
+
+    def __init__(self, client: Belay, token: str | None) -> None:
+        self.client = client
+        self._token = None if token is None else token.encode()
+
+    def guarded(self, handler: Handler) -> Handler:
+        """``handler`` behind the bearer token, with database failures as 503."""
+
+        async def endpoint(request: Request) -> Response:
+            self._authorize(request)
+            try:
+                return await handler(request)
+            except ValidationError as exc:
+                raise invalid(str(exc)) from None
+            except JobNotFound as exc:
+                raise ApiError("not_found", str(exc)) from None
+            except psycopg.DataError as exc:  # a value PostgreSQL can't take, like a NUL
+                raise invalid(f"PostgreSQL refused a value: {_first_line(exc)}") from None
+            except (psycopg.Error, psycopg_pool.PoolTimeout, SchemaError, OSError) as exc:
+                raise ApiError("unavailable", f"the database is unavailable "
+                               f"({type(exc).__name__}: {_first_line(exc)}); nothing was "
+                               "done, try again") from None
+
+        endpoint.__name__ = handler.__name__
+        return endpoint
+
+    def _authorize(self, request: Request) -> None:
+        if self._token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode("utf-8", "surrogateescape"), self._token
+        ):
+            return
+        raise ApiError("unauthorized", "this server needs 'Authorization: Bearer <token>' "
+                       "with the token it was started with",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+    async def enqueue(self, request: Request) -> Response:
+        body = await _json_body(request, required=True)
+        now = self.client.now()
+        spec = parse_enqueue(body, now)
+
+        def insert() -> Job:
+            return self.client.enqueue(spec.kind, spec.input, **spec.kwargs())
+
+        job = await run_in_threadpool(insert)
+        if job.duplicate:
+            if job.kind != spec.kind or job.input != spec.input:
+                raise ApiError("id_conflict", f"job {job.id} already holds this id with "
+                               f"another task or args ({job.kind}); retry only with the same "
+                               "id and definition, or use a new id")
+            return json_response(job_json(job, duplicate=True), 200,
+                                 {"Location": f"/jobs/{job.id}"})
+        return json_response(job_json(job, duplicate=False), 201,
+                             {"Location": f"/jobs/{job.id}"})
+
+    async def get(self, request: Request) -> Response:
+        return json_response(job_json(await self._job(request)))
+
+    async def cancel(self, request: Request) -> Response:
+        job_id = _job_id(request)
+        status = await run_in_threadpool(self.client.cancel_job, job_id)
+        job = await run_in_threadpool(self.client.get_job, job_id)
+        return json_response({"type": "cancel", "id": job_id, "status": status,
+                              "job": None if job is None else job_view(job)})
+
+    async def result(self, request: Request) -> Response:
+        job = await self._job(request)
+        if job.state == "succeeded":
+            if job.result_envelope is None:
+                raise ApiError("result_missing", f"job {job.id} succeeded but has no stored "
+                               "result (it was written without one, or cleared)")
+            return json_response({"type": "result", "id": job.id,
+                                  "result": jsonable(job.result)})
+        if job.state == "failed":
+            last = job.errors[-1] if job.errors else None
+            raise ApiError("task_failed", f"job {job.id} failed after {job.attempt} "
+                           f"attempt(s): {json.dumps(jsonable(last))[:2000]}")
+        if job.state == "cancelled":
+            raise ApiError("task_cancelled", f"job {job.id} was cancelled")
+        raise ApiError("result_not_ready", f"job {job.id} is {job.state}; ask again later "
+                       f"(or follow GET /jobs/{job.id}/events/stream)")
+
+    async def signal(self, request: Request) -> Response:
+        job_id = _job_id(request)
+        name = request.path_params["name"]
+        payload = await _json_body(request, required=False)
+        if payload is None:
+            payload = {}
+        if not isinstance(payload, dict):
+            raise invalid("a signal payload is a JSON object (or an empty body)")
+
+        def deliver() -> list[int]:
+            if self.client.get_job(job_id) is None:
+                raise JobNotFound(job_id)
+            return self.client.signal_job(job_id, name, payload)
+
+        woken = await run_in_threadpool(deliver)
+        return json_response({"type": "signal", "id": job_id, "signal": name,
+                              "woken": woken})
+
+    async def events(self, request: Request) -> Response:
+        job_id = _job_id(request)
+        after = _query_int(request, "after", 0, 0, _MAX_ID)
+        limit = _query_int(request, "limit", DEFAULT_EVENTS_PAGE, 1, MAX_EVENTS_PAGE)
+
+        def read() -> tuple[Job | None, list[Any]]:
+            job = self.client.get_job(job_id)
+            if job is None:
+                return None, []
+            return job, self.client.events(job_id, after, limit=limit)
+
+        job, page = await run_in_threadpool(read)
+        if job is None:
+            raise JobNotFound(job_id)
+        return json_response({
+            "type": "events", "id": job_id, "events": [event_view(e) for e in page],
+            "next_after": page[-1].seq if page else after, "state": job.state,
+        })
+
+    async def stream(self, request: Request) -> Response:
+        job_id = _job_id(request)
+        after = _query_int(request, "after", 0, 0, _MAX_ID)
+        last_seen = request.headers.get("last-event-id")
+        if last_seen is not None and last_seen.isdigit() and len(last_seen) <= 18:
+            after = max(after, int(last_seen))
+        await self._job(request)  # a 404 before the stream starts
+        return StreamingResponse(self._follow(job_id, after), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"})
+
+    async def _follow(self, job_id: int, after: int) -> AsyncIterator[bytes]:
+        """Server-Sent Events: one ``event`` per job event (``id:`` its seq), then
+        one ``end`` with the job's terminal state. The job is read before its
+        events, as ``Belay.subscribe_events`` does, so no event is missed."""
+        interval = 0.01
+
+        def read(after: int) -> tuple[Job | None, list[Any]]:
+            job = self.client.get_job(job_id)
+            return job, ([] if job is None else
+                         self.client.events(job_id, after, limit=DEFAULT_EVENTS_PAGE))
+
+        while True:
+            try:
+                job, fresh = await run_in_threadpool(read, after)
+            except (psycopg.Error, psycopg_pool.PoolTimeout, OSError) as exc:
+                yield _sse("error", error_body("unavailable", f"the database is unavailable "
+                                               f"({type(exc).__name__}); reconnect with "
+                                               f"Last-Event-ID {after}"))
+                return
+            if job is None:
+                yield _sse("end", {"id": job_id, "state": None})
+                return
+            for event in fresh:
+                yield _sse("event", event_view(event), event.seq)
+            if fresh:
+                after, interval = fresh[-1].seq, 0.01
+                continue
+            if job.terminal:
+                yield _sse("end", {"id": job_id, "state": job.state})
+                return
+            await anyio.sleep(interval)
+            interval = min(interval * 2, STREAM_POLL)
+
+    async def _job(self, request: Request) -> Job:
+        job_id = _job_id(request)
+        job = await run_in_threadpool(self.client.get_job, job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+
+def _sse(kind: str, data: Any, seq: int | None = None) -> bytes:
+    head = f"event: {kind}\n" + (f"id: {seq}\n" if seq is not None else "")
+    return head.encode() + b"data: " + dumps(data) + b"\n\n"
+
+
+def _job_id(request: Request) -> int:
+    raw = request.path_params["job_id"]
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19 or not 1 <= int(raw) <= _MAX_ID:
+        raise invalid(f"a job id is an integer from 1 to {_MAX_ID}, got {raw[:40]!r}")
+    return int(raw)
+
+
+def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19 or not low <= int(raw) <= high:
+        raise invalid(f"{name} must be an integer from {low} to {high}, got {raw[:40]!r}")
+    return int(raw)
+
+
+async def _json_body(request: Request, *, required: bool) -> Any:
+    """The body as JSON (the size limit was checked as it arrived); None for
+    an empty body when it is optional."""
+    raw = await request.body()
+    if not raw.strip() and not required:
+        return None
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError("unsupported_media_type",
+                       f"send the body as Content-Type: application/json (got "
+                       f"{media or 'no Content-Type'!r})")
+    if not raw.strip():
+        raise invalid("the body is empty; send a JSON object")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
+                          parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(f"the body is not valid JSON: {_first_line(exc)[:200]}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large for a double")
+    return value
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _BodyLimit:
+    """Refuses a body over ``limit`` bytes with 413 before anything parses it:
+    at once when Content-Length says so, else by counting what streams in.
+    With ``hosts``, refuses a Host header naming another host (400)."""
+
+    def __init__(self, app: ASGIApp, limit: int, hosts: frozenset[str] | None) -> None:
+        self.app = app
+        self.limit = limit
+        self.hosts = hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        if self.hosts is not None:
+            host = headers.get(b"host", b"").decode("latin-1").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name not in self.hosts and host not in self.hosts:
+                await _send(send, error_response(
+                    "invalid_request", f"Host {host!r} is not served here (this server "
+                    "answers its loopback names only)"), scope, receive)
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await _send(send, self._too_large(), scope, receive)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                # A disconnect before the body ended: nothing to answer.
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await _send(send, self._too_large(), scope, receive)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> Response:
+        return error_response("payload_too_large", f"the request body is over the "
+                              f"{self.limit}-byte limit; send less")
+
+
+async def _send(send: Send, response: Response, scope: Scope, receive: Receive) -> None:
+    response.headers["Connection"] = "close"
+    await response(scope, receive, send)

@@ -1,0 +1,922 @@
+"""HTTP workers (issue 11): workers in any language claim and complete jobs over HTTP.
+
+A worker registers (``POST /workers``) and gets an opaque token; it claims one
+job at a time from its queue (``POST /queues/{queue}/claim``, long-polled), and
+reports ``started`` and ``complete``. Underneath, each session is a belay node:
+its claims are the Python worker's claims (:func:`belay.store.claim`, or
+:func:`belay.store.claim_admitted` for a queue with a global limit, a rate or a
+partition), leased to the session's node id; ``belay-http-heartbeat`` renews
+the leases of live sessions, and a completion is the runner's fenced ack
+(:func:`belay.store.ack` on the claimed attempt, the outcome decided by
+:mod:`belay.outcome`). A session that stops claiming for ``session_ttl``
+seconds is dropped: its leases are no longer renewed, lapse, and the reclaim
+sweep retries or fails its jobs — the at-least-once path every node has.
+
+Pure parts (request validation, error entries) are separate from the I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from belay import store
+from belay.client import Belay
+from belay.crypto import decrypt_input, is_encrypted
+from belay.errors import ConfigurationError
+from belay.http.options import BACKOFF_META
+from belay.job import Job
+from belay.outcome import (
+    MESSAGE_LIMIT,
+    TRACEBACK_LIMIT,
+    Outcome,
+    decide,
+    default_backoff,
+    retry_or_fail,
+    safe_delay,
+    storable,
+)
+from belay.queues import QueueSpec
+from belay.queues import merge as merge_queues
+
+log = logging.getLogger("belay.http")
+
+
+def job_backoff(job: Job) -> Callable[[int], float]:
+    """The retry delay of ``job``: its own ``$backoff`` (``{"type":
+    "exponential", "base_ms", "max_ms"}``, set by an HTTP producer's
+    ``backoff`` option) — base_ms doubled per attempt up to max_ms — else
+    belay's default backoff."""
+    spec = job.meta.get(BACKOFF_META) if isinstance(job.meta, Mapping) else None
+    if isinstance(spec, Mapping) and spec.get("type") == "exponential":
+        base, top = spec.get("base_ms"), spec.get("max_ms")
+        if (isinstance(base, int) and isinstance(top, int) and not isinstance(base, bool)
+                and not isinstance(top, bool) and 0 < base <= top):
+            return lambda attempt: min(top, base * 2 ** min(max(attempt - 1, 0), 62)) / 1000
+    return default_backoff
+
+#: The longest a claim long-polls, in seconds (the seed's bound).
+MAX_WAIT = 20.0
+MAX_CAPACITY = 256
+#: The largest ``error`` object a failure may report, JSON-encoded.
+MAX_ERROR_BYTES = 16_384
+#: Seconds between polls of an idle queue while a claim waits: doubling up to the cap.
+POLL_FIRST, POLL_CAP = 0.02, 0.5
+#: A job this session can't run (encrypted input without the key) goes back for this long.
+RETURN_SNOOZE = 60.0
+
+_REGISTER_KEYS = {"runtime_id", "tasks", "capacity", "queue"}
+_COMPLETE_KEYS = {"execution_id", "outcome", "result", "error", "reservation_id"}
+_ERROR_KEYS = {"message", "type", "traceback", "details"}
+
+
+# -- Errors the routes map onto HTTP --------------------------------------------------
+
+
+class WorkerError(Exception):
+    """A request the protocol refuses: ``code`` and ``status`` are the HTTP answer."""
+
+    code = "invalid_request"
+    status = 400
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(WorkerError):
+    code, status = "invalid_request", 400
+
+
+class Unauthorized(WorkerError):
+    code, status = "unauthorized", 401
+
+
+class StaleExecution(WorkerError):
+    code, status = "stale_execution", 409
+
+
+class Unavailable(WorkerError):
+    code, status = "unavailable", 503
+
+
+# -- Pure validation --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Registration:
+    runtime_id: str
+    tasks: frozenset[str]
+    capacity: int
+    queue: str
+
+
+def _name(value: Any, label: str) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > 200:
+        raise InvalidRequest(f"{label} must be a non-empty string of at most 200 characters, "
+                             f"got {value!r}")
+    return value
+
+
+def parse_registration(body: Any) -> Registration:
+    """``{"runtime_id", "tasks", "capacity"?, "queue"?}`` → a :class:`Registration`."""
+    if not isinstance(body, Mapping):
+        raise InvalidRequest("the body must be a JSON object with runtime_id and tasks")
+    unknown = sorted(set(body) - _REGISTER_KEYS)
+    if unknown:
+        raise InvalidRequest(f"unknown field(s) {', '.join(unknown)}; a registration takes "
+                             f"{', '.join(sorted(_REGISTER_KEYS))}")
+    runtime_id = _name(body.get("runtime_id"), "runtime_id")
+    tasks = body.get("tasks")
+    if not isinstance(tasks, list) or not tasks:
+        raise InvalidRequest("tasks must be a non-empty list of task names (job kinds), "
+                             f"got {tasks!r}")
+    names = frozenset(_name(t, "each task") for t in tasks)
+    capacity = body.get("capacity", 1)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not (
+            1 <= capacity <= MAX_CAPACITY):
+        raise InvalidRequest(f"capacity must be an integer from 1 to {MAX_CAPACITY}, "
+                             f"got {capacity!r}")
+    queue = _name(body.get("queue", "default"), "queue")
+    return Registration(runtime_id, names, capacity, queue)
+
+
+def parse_wait(body: Any) -> float:
+    """The claim's optional ``{"wait_ms": n}`` → seconds (default and cap 20 s)."""
+    if body is None:
+        return MAX_WAIT
+    if not isinstance(body, Mapping):
+        raise InvalidRequest("the claim body must be a JSON object like {\"wait_ms\": 5000}")
+    unknown = sorted(set(body) - {"wait_ms"})
+    if unknown:
+        raise InvalidRequest(f"unknown field(s) {', '.join(unknown)}; a claim takes wait_ms")
+    wait_ms = body.get("wait_ms", int(MAX_WAIT * 1000))
+    if isinstance(wait_ms, bool) or not isinstance(wait_ms, int) or not (
+            0 <= wait_ms <= MAX_WAIT * 1000):
+        raise InvalidRequest(f"wait_ms must be an integer from 0 to {int(MAX_WAIT * 1000)}, "
+                             f"got {wait_ms!r}")
+    return wait_ms / 1000.0
+
+
+def execution_id_of(body: Any) -> str:
+    if not isinstance(body, Mapping):
+        raise InvalidRequest("the body must be a JSON object with execution_id")
+    value = body.get("execution_id")
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest("execution_id is required: repeat the one the execute event gave")
+    return value
+
+
+def error_entry(error: Any, attempt: int) -> dict[str, Any]:
+    """A failure's bounded ``error`` object → a belay ``errors`` entry
+    (``{"error": "Type: message", "attempt": n, ...}``, as the Python worker writes)."""
+    if not isinstance(error, Mapping) or not isinstance(error.get("message"), str):
+        raise InvalidRequest('a failure needs an error object like {"message": "...", '
+                             '"type": "...", "traceback": "...", "details": {...}}')
+    unknown = sorted(set(error) - _ERROR_KEYS)
+    if unknown:
+        raise InvalidRequest(f"unknown error field(s) {', '.join(unknown)}; an error takes "
+                             f"{', '.join(sorted(_ERROR_KEYS))}")
+    if len(json.dumps(error)) > MAX_ERROR_BYTES:
+        raise InvalidRequest(f"the error object is larger than {MAX_ERROR_BYTES} bytes as "
+                             "JSON; shorten the traceback or details")
+    kind, trace = error.get("type"), error.get("traceback")
+    if kind is not None and not isinstance(kind, str):
+        raise InvalidRequest(f"error.type must be a string, got {kind!r}")
+    if trace is not None and not isinstance(trace, str):
+        raise InvalidRequest(f"error.traceback must be a string, got {trace!r}")
+    message = error["message"][:MESSAGE_LIMIT]
+    entry: dict[str, Any] = {
+        "error": storable(f"{kind}: {message}" if kind else message), "attempt": attempt,
+    }
+    if trace:
+        entry["traceback"] = storable(trace[-TRACEBACK_LIMIT:])
+    if error.get("details") is not None:
+        entry["details"] = error["details"]
+    return entry
+
+
+def parse_completion(body: Any) -> tuple[str, str, Any, Any]:
+    """``(execution_id, outcome, result, error)`` of a ``complete`` request."""
+    execution_id = execution_id_of(body)
+    unknown = sorted(set(body) - _COMPLETE_KEYS)
+    if unknown:
+        raise InvalidRequest(f"unknown field(s) {', '.join(unknown)}; a completion takes "
+                             f"{', '.join(sorted(_COMPLETE_KEYS))}")
+    outcome = body.get("outcome")
+    if outcome not in ("success", "failure"):
+        raise InvalidRequest(f'outcome must be "success" or "failure", got {outcome!r}')
+    if outcome == "success" and "error" in body:
+        raise InvalidRequest("a success carries result, not error")
+    if outcome == "failure" and "result" in body:
+        raise InvalidRequest("a failure carries error, not result")
+    return execution_id, outcome, body.get("result"), body.get("error")
+
+
+def token_key(token: str) -> str:
+    """Sessions are kept under a hash of their token: the token itself is never stored."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def timeout_of(job: Job) -> int | None:
+    value = job.meta.get("$timeout_ms") if isinstance(job.meta, Mapping) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
+
+
+# -- Sessions ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Execution:
+    id: str
+    job: Job
+    claimed: float
+    timeout_ms: int | None
+    started: bool = False
+    #: Set once it ended here (lost lease, timed out, session gone): a completion is stale.
+    ended: str | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.job.id, self.job.attempt)
+
+
+@dataclass
+class _Session:
+    key: str
+    registration: Registration
+    node_id: str
+    last_seen: float
+    executions: dict[str, _Execution] = field(default_factory=dict)
+    closed: bool = False
+    #: Claims waiting now: a session in a long-poll is alive, however long it waits.
+    claiming: int = 0
+
+    def live(self) -> list[_Execution]:
+        return [e for e in self.executions.values() if e.ended is None]
+
+
+class WorkerSessions:
+    """HTTP worker sessions over one :class:`belay.Belay` (thread-safe).
+
+    ``session_ttl``: seconds without a claim after which a session is dropped.
+    ``lease_ttl``: the lease of each claimed job, renewed every third of it while
+    its session lives. ``clock``: monotonic seconds, for session expiry and
+    timeouts (database "now" is the client's clock). ``reclaim_interval``: when
+    set, the heartbeat thread also runs the reclaim sweep (expired leases of any
+    node → retry or fail) every so many seconds — for a server with no Python
+    worker alongside it; None leaves reclaim to the workers' sweepers.
+    """
+
+    def __init__(
+        self,
+        client: Belay,
+        *,
+        session_ttl: float = 60.0,
+        lease_ttl: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        reclaim_interval: float | None = None,
+    ) -> None:
+        for label, value in (("session_ttl", session_ttl), ("lease_ttl", lease_ttl)):
+            if not value > 0:
+                raise ConfigurationError(f"{label} must be positive seconds, got {value!r}")
+        if reclaim_interval is not None and not reclaim_interval > 0:
+            raise ConfigurationError(
+                f"reclaim_interval must be positive seconds or None, got {reclaim_interval!r}")
+        self.client = client
+        self.session_ttl = float(session_ttl)
+        self.lease_ttl = float(lease_ttl)
+        self.reclaim_interval = reclaim_interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+        self._stopped = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- Lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the ``belay-http-heartbeat`` thread (register does it too); idempotent."""
+        with self._lock:
+            if self._thread is not None or self._stopped.is_set():
+                return
+            self._thread = threading.Thread(target=self._heartbeat,
+                                            name="belay-http-heartbeat", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the heartbeat and forget every session (their leases lapse); idempotent."""
+        self._stopped.set()
+        self._wake.set()
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._sessions.clear()
+        if thread is not None:
+            thread.join()
+
+    close_all = stop
+
+    # -- Protocol ----------------------------------------------------------------------
+
+    def register(self, runtime_id: Any, tasks: Any, capacity: Any = 1,
+                 queue: Any = "default") -> str:
+        """A new session; returns its token (a secret: never log it)."""
+        reg = parse_registration({"runtime_id": runtime_id, "tasks": tasks,
+                                  "capacity": capacity, "queue": queue})
+        return self.register_parsed(reg)
+
+    def register_parsed(self, reg: Registration) -> str:
+        if self._stopped.is_set():
+            raise Unavailable("the server is shutting down; register with another one")
+        token = secrets.token_urlsafe(32)
+        node_id = f"http:{reg.runtime_id[:64]}/{uuid.uuid4().hex[:12]}"
+        session = _Session(token_key(token), reg, node_id, self._clock())
+        with self._lock:
+            self._sessions[session.key] = session
+        self.start()
+        log.info("belay: HTTP worker %s registered (runtime %r, queue %r, tasks %s, "
+                 "capacity %d)", node_id, reg.runtime_id, reg.queue, sorted(reg.tasks),
+                 reg.capacity)
+        return token
+
+    def authenticate(self, token: str) -> None:
+        """Raise :class:`Unauthorized` unless ``token`` is a live session's (no I/O)."""
+        self._session(token)
+
+    def session_info(self, token: str) -> dict[str, Any]:
+        session = self._session(token)
+        return {"runtime_id": session.registration.runtime_id,
+                "queue": session.registration.queue,
+                "tasks": sorted(session.registration.tasks),
+                "capacity": session.registration.capacity, "node_id": session.node_id}
+
+    def claim(self, token: str, queue: str, wait: float = MAX_WAIT) -> dict[str, Any] | None:
+        """One execute event for this session, or None after ``wait`` seconds without one."""
+        session = self._session(token, touch=True)
+        if queue != session.registration.queue:
+            raise InvalidRequest(f"this worker registered for queue "
+                                 f"{session.registration.queue!r}, not {queue!r}; claim "
+                                 "from its own queue or register again")
+        if not 0 <= wait <= MAX_WAIT:
+            raise InvalidRequest(f"wait must be 0 to {MAX_WAIT:g} seconds, got {wait!r}")
+        with self._lock:
+            session.claiming += 1
+        try:
+            return self._wait_for_work(session, wait)
+        finally:
+            with self._lock:
+                session.claiming -= 1
+                session.last_seen = max(session.last_seen, self._clock())
+
+    def _wait_for_work(self, session: _Session, wait: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + wait
+        interval = POLL_FIRST
+        while True:
+            event = self._claim_once(session)
+            if event is not None:
+                return event
+            left = deadline - time.monotonic()
+            if left <= 0 or session.closed or self._stopped.is_set():
+                return None
+            self._stopped.wait(min(interval, left))
+            interval = min(interval * 2, POLL_CAP)
+
+    def started(self, token: str, execution_id: str) -> None:
+        session = self._session(token)
+        with self._lock:
+            execution = self._execution(session, execution_id)
+            execution.started = True
+
+    def complete(self, token: str, execution_id: str, outcome: str, result: Any = None,
+                 error: Any = None) -> dict[str, Any]:
+        """Record an execution's end through the fenced ack; returns ``{"state": ...}``.
+
+        Raises :class:`StaleExecution` (nothing written) when the execution is not
+        this session's, already completed, or its attempt is no longer the job's."""
+        session = self._session(token)
+        with self._lock:
+            execution = self._execution(session, execution_id)
+        job = execution.job
+        now = self.client.clock.now()
+        if outcome == "success":
+            decided = decide(returned=result, attempt=job.attempt,
+                             max_attempts=job.max_attempts, now=now, backoff=job_backoff(job))
+        elif outcome == "failure":
+            decided = retry_or_fail(error_entry(error, job.attempt), job.attempt,
+                                    job.max_attempts, now, job_backoff(job))
+        else:
+            raise InvalidRequest(f'outcome must be "success" or "failure", got {outcome!r}')
+        with self._lock:  # claim the right to ack: one completion per execution
+            execution = self._execution(session, execution_id)
+            execution.ended = "completing"
+        try:
+            acked = self._ack(job, decided)
+        except BaseException:
+            with self._lock:
+                execution.ended = None
+            raise
+        with self._lock:
+            session.executions.pop(execution_id, None)
+        if acked is None:
+            raise StaleExecution(f"execution {execution_id} is stale: job {job.id} attempt "
+                                 f"{job.attempt} was reclaimed or finished meanwhile; its "
+                                 "outcome was discarded")
+        return {"job_id": job.id, "state": acked.job.state, "attempt": job.attempt}
+
+    def close(self, token: str) -> None:
+        """End a session; its in-flight jobs' leases lapse and reclaim retries them."""
+        key = token_key(token)
+        with self._lock:
+            session = self._sessions.pop(key, None)
+            if session is None:
+                raise Unauthorized("unknown or expired worker token; register again")
+            session.closed = True
+        log.info("belay: HTTP worker %s closed (%d execution(s) left to lease expiry)",
+                 session.node_id, len(session.live()))
+
+    def reclaim(self, limit: int = 100) -> int:
+        """Retry or fail jobs whose leases expired (any node's), as a worker's sweeper
+        does, with each job's backoff; returns how many."""
+        now = self.client.clock.now()
+        count = 0
+        with self._db() as conn:
+            for job_id in store.expired_leases(conn, now, limit):
+                with conn.transaction():
+                    acked = store.reclaim_one(
+                        conn, job_id, now, lambda job: safe_delay(job_backoff(job), job.attempt))
+                    if acked is not None:
+                        self._poke(conn, acked)
+                if acked is not None:
+                    count += 1
+                    log.warning("belay: reclaimed job %d (lease expired) → %s", job_id,
+                                acked.job.state)
+        return count
+
+    def sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # -- Internals ---------------------------------------------------------------------
+
+    def _session(self, token: Any, *, touch: bool = False) -> _Session:
+        if not isinstance(token, str) or not token:
+            raise Unauthorized("a worker token is required: Authorization: Bearer <worker_token>"
+                               " from POST /workers")
+        key = token_key(token)  # a dict lookup by hash: no timing signal about the token
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is None or self._expired(session):
+                if session is not None:
+                    self._drop(session, "expired")
+                raise Unauthorized("unknown or expired worker token; register again with "
+                                   "POST /workers")
+            if touch:
+                session.last_seen = self._clock()
+            return session
+
+    def _expired(self, session: _Session) -> bool:
+        return (not session.claiming
+                and self._clock() - session.last_seen > self.session_ttl)
+
+    def _drop(self, session: _Session, why: str) -> None:
+        """Forget a session (lock held): its leases are no longer renewed."""
+        self._sessions.pop(session.key, None)
+        session.closed = True
+        log.warning("belay: HTTP worker %s %s; %d in-flight execution(s) left to lease expiry "
+                    "and reclaim", session.node_id, why, len(session.live()))
+
+    def _execution(self, session: _Session, execution_id: str) -> _Execution:
+        """This session's live execution (lock held), else :class:`StaleExecution`."""
+        execution = session.executions.get(execution_id)
+        if execution is None:
+            raise StaleExecution(f"execution {execution_id!r} is not in flight for this worker "
+                                 "(already completed, never claimed by it, or reclaimed)")
+        if execution.ended is not None:
+            if execution.ended != "completing":
+                del session.executions[execution_id]  # told once; then it is simply unknown
+            raise StaleExecution(f"execution {execution_id!r} is stale: it ended here "
+                                 f"({execution.ended}); its outcome is discarded")
+        return execution
+
+    def _db(self) -> contextlib.AbstractContextManager[store.Conn]:
+        return _guarded(self.client)
+
+    def _claim_once(self, session: _Session) -> dict[str, Any] | None:
+        reg = session.registration
+        with self._lock:
+            if session.closed or len(session.live()) >= reg.capacity:
+                return None
+        now = self.client.clock.now()
+        with self._db() as conn:
+            if not store.queues_with_work(conn, [reg.queue], now):
+                return None
+            spec = _spec(conn, reg.queue)
+            if spec.paused:
+                return None
+            job = self._claim_one(conn, session, spec)
+        if job is None:
+            return None
+        execution = _Execution(f"{job.id}.{job.attempt}.{secrets.token_urlsafe(9)}", job,
+                               self._clock(), timeout_of(job))
+        with self._lock:
+            if session.closed:  # dropped while claiming: the lease lapses, reclaim applies
+                return None
+            session.executions[execution.id] = execution
+        if execution.timeout_ms is not None:
+            self._wake.set()
+        return {"type": "execute", "execution_id": execution.id, "job_id": job.id,
+                "task": job.kind, "args": job.input, "attempt": job.attempt,
+                "max_attempts": job.max_attempts, "timeout_ms": execution.timeout_ms,
+                "queue": job.queue, "lease_ttl_ms": int(self.lease_ttl * 1000)}
+
+    def _claim_one(self, conn: store.Conn, session: _Session, spec: QueueSpec) -> Job | None:
+        """Claim one job of this session's kinds through the contract's claim
+        statements (admission included), or None."""
+        kinds = sorted(session.registration.tasks)
+        now = self.client.clock.now()
+        lease_until = now + timedelta(seconds=self.lease_ttl)
+        with conn.transaction():
+            if spec.admitted:
+                jobs = store.claim_admitted(conn, spec, 1, session.node_id, now, lease_until,
+                                            kinds=kinds)
+            else:
+                jobs = store.claim(conn, spec.name, 1, session.node_id, now, lease_until,
+                                   kinds=kinds)
+            if not jobs:
+                return None
+            (job,) = jobs
+            if is_encrypted(job.input):
+                try:
+                    return job.replace(input=decrypt_input(job.input, self.client.encryption_key))
+                except Exception as exc:
+                    log.error("belay: job %d: %s; it goes back to the queue for %.0fs",
+                              job.id, exc, RETURN_SNOOZE)
+                    store.ack(conn, job, "snooze", now, at=now + timedelta(seconds=RETURN_SNOOZE))
+                    return None
+        return job
+
+    def _ack(self, job: Job, outcome: Outcome) -> store.Acked | None:
+        with self._db() as conn, conn.transaction():
+            acked = store.ack(conn, job, outcome.kind, self.client.clock.now(),
+                              result=outcome.result, error=outcome.error, at=outcome.at)
+            if acked is not None:
+                self._poke(conn, acked)
+        return acked
+
+    def _poke(self, conn: store.Conn, acked: store.Acked) -> None:
+        results = [acked.job.id] if acked.job.terminal else []
+        self.client._poke(conn, {q for _, q in acked.settled.ready},
+                          results + acked.settled.cancelled)
+
+    # -- The heartbeat thread ------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        period = self.lease_ttl / 3
+        next_renew = time.monotonic() + period
+        next_reclaim = time.monotonic() + (self.reclaim_interval or 0.0)
+        while not self._stopped.is_set():
+            try:
+                self._expire()
+                self._enforce_timeouts()
+                if time.monotonic() >= next_renew:
+                    self._renew()
+                    next_renew = time.monotonic() + period
+                if self.reclaim_interval is not None and time.monotonic() >= next_reclaim:
+                    self.reclaim()
+                    next_reclaim = time.monotonic() + self.reclaim_interval
+            except Exception:
+                log.exception("belay: HTTP worker heartbeat failed; retrying")
+            self._wake.wait(min(period, 0.5, self.session_ttl / 4))
+            self._wake.clear()
+
+    def tick(self) -> None:
+        """One heartbeat pass now (expiry, timeouts, renewal): for tests and shutdown."""
+        self._expire()
+        self._enforce_timeouts()
+        self._renew()
+
+    def _expire(self) -> None:
+        with self._lock:
+            for session in [s for s in self._sessions.values() if self._expired(s)]:
+                self._drop(session, f"sent no claim for {self.session_ttl:g}s and expired")
+
+    def _renew(self) -> None:
+        with self._lock:
+            live = [(s, e) for s in self._sessions.values() for e in s.live()]
+        if not live:
+            return
+        until = self.client.clock.now() + timedelta(seconds=self.lease_ttl)
+        by_node: dict[str, list[_Execution]] = {}
+        for session, execution in live:
+            by_node.setdefault(session.node_id, []).append(execution)
+        with self._db() as conn:
+            for node, executions in by_node.items():
+                held = store.renew_leases(conn, [e.key for e in executions], node, until)
+                with self._lock:
+                    for execution in executions:
+                        if execution.key not in held and execution.ended is None:
+                            execution.ended = "lost its lease"
+                            log.warning("belay: HTTP execution of job %d attempt %d lost its "
+                                        "lease; its outcome will be discarded",
+                                        execution.job.id, execution.job.attempt)
+
+    def _enforce_timeouts(self) -> None:
+        now = self._clock()
+        with self._lock:
+            due = [e for s in self._sessions.values() for e in s.live()
+                   if e.timeout_ms is not None and now - e.claimed >= e.timeout_ms / 1000]
+            for execution in due:
+                execution.ended = "timed out"
+        for execution in due:
+            job = execution.job
+            error = {"error": f"timeout: ran longer than {execution.timeout_ms} ms",
+                     "attempt": job.attempt}
+            outcome = retry_or_fail(error, job.attempt, job.max_attempts,
+                                    self.client.clock.now(), job_backoff(job))
+            self._ack(job, outcome)
+
+
+def _spec(conn: store.Conn, queue: str) -> QueueSpec:
+    """The queue's effective options: its ``belay_queues`` row, else the defaults."""
+    specs, _invalid = merge_queues({queue: QueueSpec(queue)}, store.list_queues(conn))
+    return specs[queue]
+
+
+@contextlib.contextmanager
+def _guarded(client: Belay) -> Iterator[store.Conn]:
+    """A connection from the client's pool; a database failure becomes :class:`Unavailable`
+    (never an invented success)."""
+    try:
+        with client.connection() as conn:
+            yield conn
+    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+        raise Unavailable(f"the database is unavailable ({type(exc).__name__}); retry "
+                          "later") from exc
+
+
+# -- Starlette routes -------------------------------------------------------------------
+
+#: The largest worker request body read, in bytes (checked before parsing).
+MAX_BODY = 1_048_576
+
+
+def _error(exc: WorkerError) -> JSONResponse:
+    return JSONResponse({"error": {"code": exc.code, "message": exc.message}},
+                        status_code=exc.status)
+
+
+def _bearer(request: Request, sessions: WorkerSessions) -> str:
+    """The request's worker token, checked before anything else is read."""
+    token = _token(request)
+    sessions.authenticate(token)
+    return token
+
+
+def _token(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("a worker token is required: Authorization: Bearer <worker_token> "
+                           "from POST /workers")
+    return token.strip()
+
+
+async def _body(request: Request, *, required: bool) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+        raise _TooLarge()
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise _TooLarge()
+    if not raw.strip():
+        if required:
+            raise InvalidRequest("the body must be a JSON object")
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+
+
+class _TooLarge(WorkerError):
+    code, status = "payload_too_large", 413
+
+    def __init__(self) -> None:
+        super().__init__(f"the body is larger than {MAX_BODY} bytes")
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _handled(handler: Handler) -> Handler:
+    async def run(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except WorkerError as exc:
+            return _error(exc)
+    return run
+
+
+def worker_routes(sessions: WorkerSessions, *, token: str | None = None) -> list[BaseRoute]:
+    """The worker protocol's routes over ``sessions``. With ``token`` (the
+    server's producer token), registering needs it too: otherwise anyone who
+    reaches the port could register a worker and take jobs."""
+    server_token = None if token is None else token.encode()
+
+    async def register(request: Request) -> Response:
+        if server_token is not None:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    given.strip().encode("utf-8", "surrogateescape"), server_token):
+                raise Unauthorized("registering a worker needs 'Authorization: Bearer <token>' "
+                                   "with the token the server was started with")
+        reg = parse_registration(await _body(request, required=True))
+        token = await run_in_threadpool(sessions.register_parsed, reg)
+        return JSONResponse({
+            "worker_token": token, "session_ttl_s": sessions.session_ttl,
+            "lease_ttl_s": sessions.lease_ttl, "queue": reg.queue,
+            "tasks": sorted(reg.tasks), "capacity": reg.capacity,
+            "max_wait_ms": int(MAX_WAIT * 1000),
+        }, status_code=201)
+
+    async def claim(request: Request) -> Response:
+        token = _bearer(request, sessions)
+        wait = parse_wait(await _body(request, required=False))
+        event = await run_in_threadpool(sessions.claim, token,
+                                        request.path_params["queue"], wait)
+        return Response(status_code=204) if event is None else JSONResponse(event)
+
+    async def started(request: Request) -> Response:
+        token = _bearer(request, sessions)
+        execution_id = execution_id_of(await _body(request, required=True))
+        await run_in_threadpool(sessions.started, token, execution_id)
+        return JSONResponse({"execution_id": execution_id, "started": True})
+
+    async def complete(request: Request) -> Response:
+        token = _bearer(request, sessions)
+        execution_id, outcome, result, error = parse_completion(
+            await _body(request, required=True))
+        done = await run_in_threadpool(sessions.complete, token, execution_id, outcome,
+                                       result, error)
+        return JSONResponse({"execution_id": execution_id, **done})
+
+    async def close(request: Request) -> Response:
+        token = _bearer(request, sessions)
+        await run_in_threadpool(sessions.close, token)
+        return Response(status_code=204)
+
+    return [
+        Route("/workers", _handled(register), methods=["POST"]),
+        Route("/workers", _handled(close), methods=["DELETE"]),
+        Route("/queues/{queue}/claim", _handled(claim), methods=["POST"]),
+        Route("/workers/started", _handled(started), methods=["POST"]),
+        Route("/workers/complete", _handled(complete), methods=["POST"]),
+    ]
+
+
+# -- OpenAPI ------------------------------------------------------------------------------
+
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
+        "code": {"type": "string"}, "message": {"type": "string"}}}},
+}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    what = {400: "invalid_request", 401: "unauthorized: unknown or expired worker token",
+            409: "stale_execution", 413: "payload_too_large",
+            503: "unavailable: the database failed"}
+    return {str(c): {"description": what[c], "content": {
+        "application/json": {"schema": _ERROR_SCHEMA}}} for c in codes}
+
+
+def _json_body(schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
+    return {"required": required, "content": {"application/json": {"schema": schema}}}
+
+
+_BEARER: list[dict[str, list[str]]] = [{"workerToken": []}]
+_EXECUTION_ID = {"type": "string", "minLength": 1}
+_OK = {"type": "object"}
+
+#: OpenAPI 3.1 path items of the worker protocol (security scheme ``workerToken``:
+#: ``{"type": "http", "scheme": "bearer"}``), for the server's ``/openapi.json``.
+WORKER_OPENAPI_PATHS: dict[str, Any] = {
+    "/workers": {
+        "post": {
+            "summary": "Register an HTTP worker session",
+            "operationId": "registerWorker",
+            "requestBody": _json_body({
+                "type": "object", "required": ["runtime_id", "tasks"],
+                "additionalProperties": False,
+                "properties": {
+                    "runtime_id": {"type": "string", "minLength": 1, "maxLength": 200},
+                    "tasks": {"type": "array", "minItems": 1, "items": {
+                        "type": "string", "minLength": 1, "maxLength": 200}},
+                    "capacity": {"type": "integer", "minimum": 1, "maximum": MAX_CAPACITY},
+                    "queue": {"type": "string", "minLength": 1, "maxLength": 200},
+                },
+            }),
+            "responses": {"201": {"description": "the session", "content": {
+                "application/json": {"schema": {
+                    "type": "object", "required": ["worker_token", "session_ttl_s"],
+                    "properties": {"worker_token": {"type": "string"},
+                                   "session_ttl_s": {"type": "number"},
+                                   "lease_ttl_s": {"type": "number"}}}}}},
+                          **_errors(400, 413, 503)},
+        },
+        "delete": {
+            "summary": "Close the worker session",
+            "operationId": "closeWorker",
+            "security": _BEARER,
+            "responses": {"204": {"description": "closed"}, **_errors(401)},
+        },
+    },
+    "/queues/{queue}/claim": {
+        "post": {
+            "summary": "Long-poll for one execute event",
+            "operationId": "claimJob",
+            "security": _BEARER,
+            "parameters": [{"name": "queue", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "requestBody": _json_body({
+                "type": "object", "additionalProperties": False,
+                "properties": {"wait_ms": {"type": "integer", "minimum": 0,
+                                           "maximum": int(MAX_WAIT * 1000)}}}, required=False),
+            "responses": {
+                "200": {"description": "an execute event", "content": {"application/json": {
+                    "schema": {"type": "object", "required": [
+                        "type", "execution_id", "job_id", "task", "args", "attempt"],
+                        "properties": {
+                            "type": {"const": "execute"}, "execution_id": _EXECUTION_ID,
+                            "job_id": {"type": "integer"}, "task": {"type": "string"},
+                            "args": {}, "attempt": {"type": "integer"},
+                            "max_attempts": {"type": "integer"},
+                            "timeout_ms": {"type": ["integer", "null"]},
+                            "queue": {"type": "string"}, "lease_ttl_ms": {"type": "integer"},
+                        }}}}},
+                "204": {"description": "nothing to run within wait_ms"},
+                **_errors(400, 401, 413, 503)},
+        },
+    },
+    "/workers/started": {
+        "post": {
+            "summary": "Acknowledge that an execution started",
+            "operationId": "workerStarted",
+            "security": _BEARER,
+            "requestBody": _json_body({
+                "type": "object", "required": ["execution_id"],
+                "properties": {"execution_id": _EXECUTION_ID,
+                               "reservation_id": {"type": "string"}}}),
+            "responses": {"200": {"description": "noted", "content": {
+                "application/json": {"schema": _OK}}}, **_errors(400, 401, 409, 413)},
+        },
+    },
+    "/workers/complete": {
+        "post": {
+            "summary": "Report an execution's outcome (fenced on its attempt)",
+            "operationId": "workerComplete",
+            "security": _BEARER,
+            "requestBody": _json_body({
+                "type": "object", "required": ["execution_id", "outcome"],
+                "additionalProperties": False,
+                "properties": {
+                    "execution_id": _EXECUTION_ID,
+                    "reservation_id": {"type": "string"},
+                    "outcome": {"enum": ["success", "failure"]},
+                    "result": {},
+                    "error": {"type": "object", "required": ["message"],
+                              "additionalProperties": False, "properties": {
+                                  "message": {"type": "string"}, "type": {"type": "string"},
+                                  "traceback": {"type": "string"}, "details": {}}},
+                }}),
+            "responses": {"200": {"description": "recorded: the job's new state", "content": {
+                "application/json": {"schema": {"type": "object", "properties": {
+                    "job_id": {"type": "integer"}, "state": {"type": "string"},
+                    "attempt": {"type": "integer"}}}}}},
+                          **_errors(400, 401, 409, 413, 503)},
+        },
+    },
+}
