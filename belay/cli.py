@@ -112,6 +112,28 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--authorizer", default=None, metavar="MODULE:CALLABLE",
                          help="authorize(tool, args) decides each mutation")
 
+    http = with_url("serve", "serve the HTTP/JSON API: producers and workers in any language "
+                             "(docs/http.md)")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="a non-loopback host needs --tls-cert, --tls-key and --tls-client-ca")
+    http.add_argument("--port", type=int, default=8080)
+    http.add_argument("--token-file", default=None, metavar="PATH",
+                      help="a file holding the bearer token producer calls must carry")
+    http.add_argument("--tls-cert", default=None, metavar="PATH")
+    http.add_argument("--tls-key", default=None, metavar="PATH")
+    http.add_argument("--tls-client-ca", default=None, metavar="PATH",
+                      help="the CA that signs client certificates (mTLS)")
+    http.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[],
+                      metavar="NAME", help="a Host name to answer to besides the loopback "
+                      "names, like the one a reverse proxy forwards (repeatable)")
+    http.add_argument("--no-workers", dest="workers", action="store_false",
+                      help="serve producers only, not the HTTP worker protocol")
+    http.add_argument("--session-ttl", type=float, default=60.0, metavar="SECONDS",
+                      help="an HTTP worker session that stops claiming this long expires")
+    http.add_argument("--lease-ttl", type=float, default=30.0, metavar="SECONDS",
+                      help="the lease of a job an HTTP worker runs (renewed while its "
+                           "session lives)")
+
     mcp = with_url("mcp", "serve an MCP server for agents (stdio by default)")
     mcp.add_argument("--transport", choices=("stdio", "http"), default="stdio",
                      help="stdio, or streamable HTTP at http://HOST:PORT/mcp")
@@ -263,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guarded(lambda: _replay(args))
     if args.command == "mcp":
         return _guarded(lambda: _mcp(args))
+    if args.command == "serve":
+        return _guarded(lambda: _serve(args))
     if args.command == "dashboard":
         return _guarded(lambda: _dashboard(args))
     operate = _OPS.get(args.command)
@@ -419,17 +443,32 @@ def _mcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as fh:
+        token = fh.read().strip()
+    if not token:
+        raise ConfigurationError(f"--token-file {path}: the file is empty")
+    return token
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from belay.http import server
+
+    server.serve(args.url, host=args.host, port=args.port, token=_read_token(args.token_file),
+                 tls_cert=args.tls_cert, tls_key=args.tls_key,
+                 tls_client_ca=args.tls_client_ca, allowed_hosts=args.allowed_hosts,
+                 workers=args.workers, session_ttl=args.session_ttl,
+                 lease_ttl=args.lease_ttl)
+    return 0
+
+
 def _dashboard(args: argparse.Namespace) -> int:
     from belay import dashboard
 
-    token = None
-    if args.token_file:
-        with open(args.token_file, encoding="utf-8") as fh:
-            token = fh.read().strip()
-        if not token:
-            raise ConfigurationError(f"--token-file {args.token_file}: the file is empty")
-    dashboard.serve(args.url, host=args.host, port=args.port, guard=_guard(args), token=token,
-                    allowed_hosts=args.allowed_hosts)
+    dashboard.serve(args.url, host=args.host, port=args.port, guard=_guard(args),
+                    token=_read_token(args.token_file), allowed_hosts=args.allowed_hosts)
     return 0
 
 
