@@ -111,6 +111,8 @@ def test_round_ms_rounds_halves_away_from_zero() -> None:
     ({"task": "t", "args": []}, "args must be a JSON object, got an array"),
     ({"task": "t", "options": "x"}, "options must be a JSON object"),
     ({"task": "t", "options": {"colour": 1}}, "unknown option(s) 'colour'"),
+    ({"task": "t", "options": {"queue": None, "priority": None}},
+     "option(s) 'priority', 'queue' are null"),
     ({"task": "t", "options": {"id": "a", "submission_id": "b"}}, "conflict"),
     ({"task": "t", "options": {"delay": 1, "delay_ms": 1}}, "conflict"),
     ({"task": "t", "options": {"delay": 1, "run_at": 1}}, "conflict"),

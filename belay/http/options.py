@@ -98,6 +98,10 @@ def _options(task: str, args: dict[str, Any], options: dict[str, Any], now: date
     if unknown:
         raise invalid(f"unknown option(s) {_names(unknown)}; options are "
                       f"{', '.join(sorted(OPTIONS))}")
+    nulls = sorted(name for name, value in options.items() if value is None)
+    if nulls:  # as the OpenAPI document says: an option is a value or absent
+        raise invalid(f"option(s) {_names(nulls)} are null; leave an option out for its "
+                      "default")
     _exclusive(options, ("id", "submission_id"), "one idempotency key")
     _exclusive(options, ("delay", "delay_ms", "run_at"), "one schedule")
     _exclusive(options, ("timeout", "timeout_ms"), "one timeout unit")
