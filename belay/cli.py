@@ -17,7 +17,7 @@ Exit codes:
 4    not possible in the job's current state (retrying a job that did not fail)
 5    ``replay`` diverged from the record (blocked, raised, unused or reordered
      journal entries, another result)
-130  interrupted (Ctrl-C); the servers (``worker``, ``mcp``, ``dashboard``)
+130  interrupted (Ctrl-C); the servers (``worker``, ``mcp``, ``dashboard``, ``serve``)
      exit 0 on SIGINT and SIGTERM
 ===  ==========================================================================
 

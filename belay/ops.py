@@ -21,7 +21,7 @@ from typing import Any, Final
 
 from belay import store
 from belay.codec import Opaque
-from belay.errors import BelayError, ConfigurationError, ValidationError
+from belay.errors import BelayError, ConfigurationError, JobNotFound, ValidationError
 from belay.job import STATES, Event, Job, Step, WorkflowStatus
 
 #: The mutations every surface offers, by the MCP tool name each has.
@@ -262,6 +262,7 @@ def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dic
         payload = args.get("payload") or {}
         if not isinstance(payload, Mapping):
             raise ValidationError(f"a signal payload is a JSON object, got {payload!r}")
+        _exists(client, job_id)
         guard.check(tool, {"job_id": job_id, "name": name, "payload": dict(payload)})
         woken = client.signal_job(job_id, name, dict(payload))
         return {"job_id": job_id, "signal": name, "woken": woken}
@@ -270,6 +271,7 @@ def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dic
         if not isinstance(payload, Mapping):
             raise ValidationError(f"steering is a JSON object like {{\"instruction\": \"…\"}}, "
                                   f"got {payload!r}")
+        _exists(client, job_id)
         guard.check(tool, {"job_id": job_id, "payload": dict(payload)})
         woken = client.steer_job(job_id, dict(payload))
         return {"job_id": job_id, "steered": True, "woken": woken}
@@ -277,6 +279,13 @@ def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dic
     if tool == "cancel_job":
         return {"job_id": job_id, "status": client.cancel_job(job_id)}
     return {"job_id": job_id, "job": job_view(client.retry_job(job_id))}
+
+
+def _exists(client: Any, job_id: int) -> None:
+    """The client stores a signal for any scope; for a job that isn't there,
+    every surface answers not found instead."""
+    if client.get_job(job_id) is None:
+        raise JobNotFound(job_id)
 
 
 def _int_arg(args: Mapping[str, Any], name: str) -> int:

@@ -267,7 +267,6 @@ def test_not_found_exits_3(db_url: str) -> None:
 
 
 def test_replay_of_a_missing_job_exits_3(db_url: str) -> None:
-    pytest.importorskip("belay.replay")
     assert "job 999 does not exist" in fails(3, "replay", "999", "--url", db_url)
 
 

@@ -157,11 +157,9 @@ def test_claim_honours_capacity(sessions: WorkerSessions, client: belay.Belay) -
     assert third is not None and third["job_id"] not in (first["job_id"], second["job_id"])
 
 
-def test_a_session_waiting_in_a_claim_longer_than_its_ttl_stays_alive(
-        sessions: WorkerSessions, client: belay.Belay, ticker: Ticker,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A long-poll longer than session_ttl must not expire its own session."""
-    token = sessions.register("r", ["t"], 1)
+def found_nothing(sessions: WorkerSessions, monkeypatch: pytest.MonkeyPatch
+                  ) -> threading.Event:
+    """An event set once a claim looked for work and found none (it waits now)."""
     polled_empty = threading.Event()
     claim_once = sessions._claim_once
 
@@ -172,6 +170,15 @@ def test_a_session_waiting_in_a_claim_longer_than_its_ttl_stays_alive(
         return event
 
     monkeypatch.setattr(sessions, "_claim_once", spy)
+    return polled_empty
+
+
+def test_a_session_waiting_in_a_claim_longer_than_its_ttl_stays_alive(
+        sessions: WorkerSessions, client: belay.Belay, ticker: Ticker,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-poll longer than session_ttl must not expire its own session."""
+    token = sessions.register("r", ["t"], 1)
+    polled_empty = found_nothing(sessions, monkeypatch)
     got: list[dict[str, Any] | None] = []
     waiter = threading.Thread(target=lambda: got.append(sessions.claim(token, "default", 15)),
                               name="test-claim")
@@ -199,16 +206,7 @@ def test_long_poll_returns_a_job_enqueued_during_the_wait(
         monkeypatch: pytest.MonkeyPatch) -> None:
     token = http.post("/workers", json={"runtime_id": "r", "tasks": ["t"]}).json()[
         "worker_token"]
-    polled_empty = threading.Event()
-    claim_once = sessions._claim_once
-
-    def spy(session: Any) -> dict[str, Any] | None:
-        event = claim_once(session)
-        if event is None:
-            polled_empty.set()
-        return event
-
-    monkeypatch.setattr(sessions, "_claim_once", spy)
+    polled_empty = found_nothing(sessions, monkeypatch)
     enqueued: list[int] = []
 
     def produce() -> None:

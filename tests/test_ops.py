@@ -228,3 +228,14 @@ def test_job_detail_is_bounded_and_counts_what_it_leaves_out(
     assert [e["seq"] for e in detail["events"]] == [2, 3] and detail["events_total"] == 3
     assert [kid["id"] for kid in detail["children"]] == kids[:1]
     assert detail["children_total"] == 2
+
+
+def test_signal_and_steer_of_a_missing_job_are_not_found_and_store_nothing(
+    client: belay.Belay, sql_conn: Conn
+) -> None:
+    guard = Guard(allow=True)
+    for tool, args in [("signal", {"job_id": 424242, "name": "go"}),
+                       ("steer_job", {"job_id": 424242, "payload": {"x": 1}})]:
+        with pytest.raises(belay.JobNotFound):
+            mutate(client, guard, tool, args)
+    assert sql_conn.execute("SELECT count(*) FROM belay_signals").fetchone() == (0,)

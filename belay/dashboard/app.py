@@ -289,8 +289,6 @@ class Dashboard:
         if not isinstance(args, dict):
             raise _Failure(400, "the request body is a JSON object, like {} or "
                                 '{"name": "approve", "payload": {}}')
-        if self.client.get_job(job_id) is None:
-            raise JobNotFound(job_id)
         result = ops.mutate(self.client, access.guard, tool, {**args, "job_id": job_id})
         return _json(200, {"ok": True, "action": tool, **result})
 

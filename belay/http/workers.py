@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+import psycopg_pool
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -334,7 +335,6 @@ class WorkerSessions:
         if thread is not None:
             thread.join()
 
-    close_all = stop
 
     # -- Protocol ----------------------------------------------------------------------
 
@@ -669,7 +669,7 @@ def _guarded(client: Belay) -> Iterator[store.Conn]:
     try:
         with client.connection() as conn:
             yield conn
-    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+    except (psycopg.OperationalError, psycopg.InterfaceError, psycopg_pool.PoolTimeout) as exc:
         raise Unavailable(f"the database is unavailable ({type(exc).__name__}); retry "
                           "later") from exc
 
