@@ -27,6 +27,7 @@ from belay.context import (
     Cost,
     Interrupted,
     StepValueRefused,
+    current_context,
 )
 from belay.cron import CronEntry, CronScheduler, DynamicCron
 from belay.enqueue import JobSpec, Unique
@@ -101,6 +102,7 @@ __all__ = [
     "check_schema",
     "clear_signal",
     "configure",
+    "current_context",
     "default",
     "default_backoff",
     "delete_cron",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Union
 
 from belay import names, store
 from belay.codec import decode_value, dumps_object, encode_value
@@ -33,6 +35,37 @@ class Cost:
 
     usd: float = 0.0
     tokens: int = 0
+
+
+#: What ``step``/``astep`` take as ``cost``: a cost, or a function of the step's value.
+CostSpec: TypeAlias = Union[
+    "Cost", Mapping[str, Any], Callable[[T], "Cost | Mapping[str, Any] | None"], None
+]
+
+#: The Context whose ``astep`` body is running in this task (steps don't nest).
+_ASYNC_STEP: ContextVar[Context | None] = ContextVar("belay_async_step", default=None)
+
+
+#: The Context of the job running in this thread (or task), for code far from it.
+_CURRENT: ContextVar[Context | None] = ContextVar("belay_current_context", default=None)
+
+
+def current_context() -> Context | None:
+    """The ``ctx`` of the job this code runs in, or None outside a job.
+
+    Set around a worker function's call (not a chunk worker's, whose jobs share a
+    call); it follows into asyncio tasks and into threads started with a copy of
+    the context (``contextvars.copy_context``, as LangChain's executors do).
+    Integrations use it to find the job without ``ctx`` being passed down.
+    """
+    return _CURRENT.get()
+
+
+def _check_step_name(name: object) -> None:
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ValidationError(f"a step name is a non-empty string without NUL, got {name!r}")
+    if name.startswith(names.RESERVED_PREFIX):
+        raise ValidationError(f"step names starting with '$' are reserved for belay: {name!r}")
 
 
 class BudgetExceeded(BaseException):
@@ -235,44 +268,87 @@ class Context:
         name: str,
         fn: Callable[[], T],
         *,
-        cost: Cost | Mapping[str, Any] | None = None,
+        cost: CostSpec[T] = None,
     ) -> T | Any:
         """Run ``fn`` once per job, ever: its value is journaled under ``name`` and
         every later attempt gets the journaled value back without running it.
 
-        ``cost`` (``belay.Cost(usd=…, tokens=…)``) is added to the job's spend in
-        the same transaction as the journal entry; a job whose spend goes over its
-        budget fails with ``budget_exceeded``. A pending cancel request, a lost
-        lease or a timeout stop the job here, before ``fn`` runs.
+        ``cost`` (``belay.Cost(usd=…, tokens=…)``, or a function of the value that
+        returns one, for spend known only from the answer) is added to the job's
+        spend in the same transaction as the journal entry; a job whose spend goes
+        over its budget fails with ``budget_exceeded``. A pending cancel request, a
+        lost lease or a timeout stop the job here, before ``fn`` runs.
         """
-        if not isinstance(name, str) or not name or "\x00" in name:
-            raise ValidationError(f"a step name is a non-empty string without NUL, got {name!r}")
-        if name.startswith(names.RESERVED_PREFIX):
-            raise ValidationError(f"step names starting with '$' are reserved for belay: {name!r}")
+        _check_step_name(name)
         return self._step(name, fn, cost)
 
-    def _step(
-        self, name: str, fn: Callable[[], T], cost: Cost | Mapping[str, Any] | None
+    async def astep(
+        self,
+        name: str,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        cost: CostSpec[T] = None,
     ) -> T | Any:
-        if self._in_step:
-            raise ValidationError(
-                f"step {name!r} was called inside another step; steps don't nest — call it "
-                "after the outer step returns"
-            )
-        usd_micros, tokens = cost_units(cost)
-        self.checkpoint()
-        job_id = self.id
-        with self.client.connection() as conn:
-            found = store.step_lookup(conn, job_id, name)
-        if found is not None and found["hit"]:
-            return decode_value(found["value"])
-        if found is not None:
-            self._preflight(found, name)
+        """:meth:`step` for async code: ``await ctx.astep(name, coroutine_function)``.
+
+        ``fn`` is awaited on the caller's event loop; the journal read and write run
+        in a thread (``asyncio.to_thread``), so other tasks on the loop keep going
+        while they wait on the database. Concurrent ``astep`` calls of one job are
+        fine as long as their names differ.
+        """
+        _check_step_name(name)
+        if self._in_step or _ASYNC_STEP.get() is self:
+            raise self._nested(name)
+        units = None if callable(cost) else cost_units(cost)
+        hit, value = await asyncio.to_thread(self._step_lookup, name)
+        if hit:
+            return value
+        token = _ASYNC_STEP.set(self)
+        try:
+            value = await fn()
+        finally:
+            _ASYNC_STEP.reset(token)
+        return await asyncio.to_thread(self._step_record, name, value, cost, units)
+
+    def _nested(self, name: str) -> ValidationError:
+        return ValidationError(
+            f"step {name!r} was called inside another step; steps don't nest — call it "
+            "after the outer step returns"
+        )
+
+    def _step(self, name: str, fn: Callable[[], T], cost: CostSpec[T]) -> T | Any:
+        if self._in_step or _ASYNC_STEP.get() is self:
+            raise self._nested(name)
+        units = None if callable(cost) else cost_units(cost)
+        hit, value = self._step_lookup(name)
+        if hit:
+            return value
         self._in_step = True
         try:
             value = fn()
         finally:
             self._in_step = False
+        return self._step_record(name, value, cost, units)
+
+    def _step_lookup(self, name: str) -> tuple[bool, Any]:
+        """The journaled value of step ``name`` as ``(True, value)``; else
+        ``(False, None)`` once the pre-flight checks allow running it."""
+        self.checkpoint()
+        with self.client.connection() as conn:
+            found = store.step_lookup(conn, self.id, name)
+        if found is not None and found["hit"]:
+            return True, decode_value(found["value"])
+        if found is not None:
+            self._preflight(found, name)
+        return False, None
+
+    def _step_record(
+        self, name: str, value: T, cost: CostSpec[T], units: tuple[int, int] | None
+    ) -> T | Any:
+        """Journal ``value`` under ``name`` with its cost; returns the value that stands."""
+        if units is None:
+            units = self._priced(name, value, cost) if callable(cost) else cost_units(cost)
+        usd_micros, tokens = units
         try:
             envelope = encode_value(value, what=f"the value of step {name!r}")
         except ValidationError as exc:
@@ -282,6 +358,7 @@ class Context:
                 f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
                 f"{MAX_STEP_VALUE} (1 MiB): store large data elsewhere and journal a reference"
             ))
+        job_id = self.id
         # One statement (journal + spend): no transaction block needed around it.
         with self.client.connection() as conn:
             spend = store.put_step(conn, job_id, name, envelope, usd_micros, tokens,
@@ -293,6 +370,18 @@ class Context:
         if spend is not None:
             self._check_budget(spend, name)
         return value
+
+    def _priced(self, name: str, value: T, cost: CostSpec[T]) -> tuple[int, int]:
+        """Run a step's cost function. It failing is a bug that a retry would pay
+        for again, so the job fails at once (like a value that can't be journaled)."""
+        assert callable(cost)
+        try:
+            return cost_units(cost(value))
+        except Exception as exc:
+            raise self._control(StepValueRefused(
+                f"the cost function of step {name!r} failed: {type(exc).__name__}: {exc}; "
+                "it gets the step's value and returns a belay.Cost, a dict or None"
+            )) from exc
 
     def _preflight(self, spend: Mapping[str, Any], name: str) -> None:
         """§8.2: before paying for a step, check the durable spend — a crash
@@ -431,31 +520,55 @@ class Context:
         ``$spawn:<name>``, and each child carries the always-unique key
         ``$spawn:<parent>:<name>:<index>``, so a crash between inserting the
         children and journaling the list can't duplicate them. ``options`` are
-        enqueue options for every child (queue, priority, budget, …).
+        enqueue options for every child (queue, priority, budget, …);
+        ``budget="share"`` splits what is left of this job's budget evenly
+        between the children (see :meth:`map_children` for the charge back).
         """
         if not isinstance(name, str) or not name:
             raise ValidationError(f"a spawn name is a non-empty string, got {name!r}")
         inputs = list(inputs)
         if isinstance(kind, str):
             kind = self.registry.get(kind) or kind
-        specs = [
-            JobSpec(kind, child_input, **options, internal={
-                "parent_id": self.id, "unique_key": names.spawn_key(self.id, name, index),
-                "unique_mode": "always",
-            })
-            for index, child_input in enumerate(inputs)
-        ]
+        share = options.get("budget") == SHARE
+
+        def specs() -> list[JobSpec]:
+            if share:
+                options["budget"] = self._share(len(inputs))
+            return [
+                JobSpec(kind, child_input, **options, internal={
+                    "parent_id": self.id, "unique_key": names.spawn_key(self.id, name, index),
+                    "unique_mode": "always",
+                })
+                for index, child_input in enumerate(inputs)
+            ]
+
+        if not share:
+            specs()  # bad options fail here, before anything is journaled
 
         def insert() -> list[int]:
             # Ids come back for inserted children and for holders of their keys
             # alike: the list is rebuilt from the keys, never trusted from a
             # partial insert.
-            return [job.id for job in self.client.enqueue_many(specs)]
+            return [job.id for job in self.client.enqueue_many(specs())]
 
         ids = self._step(f"$spawn:{name}", insert, None)
         if not isinstance(ids, list):
             raise ValidationError(f"step $spawn:{name} holds {ids!r}, not a list of job ids")
         return ids
+
+    def _share(self, children: int) -> dict[str, Any] | None:
+        """An even share, per child, of what is left of this job's budget now."""
+        with self.client.connection() as conn:
+            job = store.get_job(conn, self.id)
+        if job is None or children == 0:
+            return None
+        budget: dict[str, Any] = {}
+        if job.budget_usd_micros is not None:
+            left = max(job.budget_usd_micros - job.spent_usd_micros, 0)
+            budget["usd"] = (left // children) / 1_000_000
+        if job.budget_tokens is not None:
+            budget["tokens"] = max(job.budget_tokens - job.spent_tokens, 0) // children
+        return budget or None
 
     def spawn(self, name: str, kind: Any, input: Mapping[str, Any] | None = None,
               **options: Any) -> int:
@@ -485,10 +598,29 @@ class Context:
     def map_children(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],
                      **options: Any) -> list[Job]:
         """Fan out one child per input and fan in: their jobs (``.result``,
-        ``.state``) in input order, once all are terminal."""
+        ``.state``) in input order, once all are terminal.
+
+        With ``budget="share"`` the children split what is left of this job's
+        budget, and at fan-in their spend is charged to this job (step
+        ``$spend:<name>``), so one budget holds across the whole tree: the
+        parent fails with ``budget_exceeded`` if the children took it over.
+        """
         ids = self.spawn_many(name, kind, inputs, **options)
         by_id = {kid.id: kid for kid in self.await_children()}
-        return [by_id[i] for i in ids]
+        kids = [by_id[i] for i in ids]
+        if options.get("budget") == SHARE:
+            spent = {"usd_micros": sum(k.spent_usd_micros for k in kids),
+                     "tokens": sum(k.spent_tokens for k in kids)}
+            self._step(f"$spend:{name}", lambda: spent, _charge_back)
+        return kids
+
+
+#: ``budget=SHARE`` for children: an even share of what the parent has left.
+SHARE = "share"
+
+
+def _charge_back(spent: Mapping[str, Any]) -> Cost:
+    return Cost(usd=spent["usd_micros"] / 1_000_000, tokens=spent["tokens"])
 
 
 def check_debit(resource: object, units: object, period: object) -> None:

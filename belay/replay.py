@@ -27,7 +27,7 @@ import psycopg
 
 from belay import names, schema, store
 from belay.codec import decode_value, dumps_object, encode_value
-from belay.context import TIMEOUT, Context, Cost, Execution, check_debit, cost_units
+from belay.context import _CURRENT, TIMEOUT, Context, Execution, check_debit
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.enqueue import JobSpec
 from belay.errors import ConfigurationError, JobNotFound, ValidationError
@@ -279,10 +279,9 @@ class ReplayContext(Context):
         self._record(Ask(op, entry, "served", found.seq, dict(detail or {})))
         return found.value
 
-    def _step(self, name: str, fn: Callable[[], T],
-              cost: Cost | Mapping[str, Any] | None) -> T | Any:
-        cost_units(cost)  # a bad cost fails here as it would in a real run
-        return self._serve("step", name)
+    def _step_lookup(self, name: str) -> tuple[bool, Any]:
+        # A bad cost already failed in the caller, as it would in a real run.
+        return True, self._serve("step", name)
 
     def sleep(self, name: str, seconds: float) -> None:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
@@ -415,6 +414,9 @@ def _decrypted(job: Job, client: Belay) -> Job:
 def _call(definition: WorkerDef, ctx: ReplayContext) -> tuple[Any, BaseException | None]:
     """The function's return value, or what it raised (a chunk worker gets a
     chunk of one and its entry for this job is unwrapped)."""
+    # current_context() is the replay's ctx, as it is the real one in a worker:
+    # integrations that find the job through it replay from the journal too.
+    token = _CURRENT.set(ctx) if definition.chunk is None else None
     try:
         if definition.chunk is None:
             return definition(ctx), None
@@ -423,6 +425,9 @@ def _call(definition: WorkerDef, ctx: ReplayContext) -> tuple[Any, BaseException
         raise
     except BaseException as exc:  # the job's failure, whatever it raised
         return None, exc
+    finally:
+        if token is not None:
+            _CURRENT.reset(token)
     if returned is None:
         return None, None
     if not isinstance(returned, Mapping):

@@ -56,7 +56,7 @@ from psycopg_pool import ConnectionPool
 
 from belay import names, schema, store
 from belay.client import Belay
-from belay.context import Context, Execution, Park
+from belay.context import _CURRENT, Context, Execution, Park
 from belay.cron import CronScheduler
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.errors import ConfigurationError, ValidationError
@@ -258,6 +258,8 @@ class Worker:
         self._executions: dict[tuple[int, int], Execution] = {}
         #: The queues this node serves now: static merged with belay_queues rows.
         self._live: dict[str, _Queue] = {}
+        #: The effective specs of the last ``drain`` (static config + belay_queues rows).
+        self._drain_specs: dict[str, QueueSpec] = {}
         self._invalid_rows: dict[str, str] = {}
         #: Queues paused on this node only (``pause_queue``).
         self._paused_here: set[str] = set()
@@ -762,10 +764,13 @@ class Worker:
         ctx = self._context(execution)
         raised: BaseException | None = None
         returned: Any = None
+        token = _CURRENT.set(ctx)
         try:
             returned = definition(ctx)
         except BaseException as exc:  # the job's failure, whatever it raised
             raised = exc
+        finally:
+            _CURRENT.reset(token)
         return self._conclude(execution, returned, raised)
 
     def execute_chunk(self, executions: list[Execution]) -> dict[int, str]:
@@ -872,7 +877,10 @@ class Worker:
     def _spec_for(self, queue: str) -> QueueSpec | None:
         with self._lock:
             live = self._live.get(queue)
-        return live.spec if live is not None else self.queues.get(queue)
+        if live is not None:
+            return live.spec
+        drained = self._drain_specs.get(queue)
+        return drained if drained is not None else self.queues.get(queue)
 
     def _conclude(self, execution: Execution, returned: Any, raised: BaseException | None,
                   *, outcome: Outcome | None = None) -> str:
@@ -1228,6 +1236,8 @@ class Worker:
         counts: dict[str, int] = {}
         with self._connection() as conn:
             effective = self._effective_specs(conn)
+            # A drained job's ctx.debit trues up against the rate it was admitted by.
+            self._drain_specs = effective
             specs = [effective[name] for name in self.queues if name in effective
                      and not effective[name].paused and name not in self._paused_here]
             ran = 0

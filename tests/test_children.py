@@ -137,3 +137,51 @@ def test_spawn_names_and_inputs_are_checked(client, registry):
     job = client.enqueue("t.bad_spawn", max_attempts=1)
     assert drain(client=client, registry=registry) == {"failed": 1}
     assert "spawn name" in client.get_job(job.id).errors[-1]["error"]
+
+
+# -- One budget across the tree (issue 12) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("child_calls", "parent_state"), [(3, "succeeded"), (6, "failed")])
+def test_shared_budgets_split_what_is_left_and_charge_the_children_back(
+        client, sql_conn, child_calls, parent_state):
+    reg = belay.Registry()
+    paid: list[str] = []
+
+    @belay.worker(name="b.child", queue="kids", registry=reg)
+    def child(ctx: belay.Context) -> None:
+        for n in range(ctx.input["calls"]):
+            ctx.step(f"call-{n}", lambda n=n: paid.append(f"child-{ctx.id}-{n}"),
+                     cost={"tokens": 100})
+
+    @belay.worker(name="b.parent", registry=reg)
+    def parent(ctx: belay.Context) -> Any:
+        ctx.step("plan", lambda: paid.append("plan"), cost={"tokens": 100})
+        kids = ctx.map_children("research", "b.child", [{"calls": child_calls}] * 2,
+                                budget="share")
+        ctx.step("write", lambda: paid.append("write"), cost={"tokens": 100})
+        return [kid.state for kid in kids]
+
+    job = client.enqueue("b.parent", budget={"tokens": 1_000, "usd": 1.0})
+    drain(client=client, registry=reg)
+    kids = [row for row in sql_conn.execute(
+        "SELECT budget_tokens, budget_usd_micros, spent_tokens, state FROM belay_jobs "
+        "WHERE parent_id = %s ORDER BY id", (job.id,))]
+    # What the parent had left after its first step, split in two.
+    assert [(k[0], k[1]) for k in kids] == [(450, 500_000)] * 2
+    drain("kids", client=client, registry=reg)
+    drain(client=client, registry=reg)
+    done = client.get_job(job.id)
+    assert done.state == parent_state
+    if parent_state == "succeeded":
+        # 100 (plan) + 2 x 300 charged back + 100 (write)
+        assert done.result == ["succeeded", "succeeded"] and done.spent_tokens == 800
+    else:
+        # Each child crossed its 450 at its fifth call; 100 + 2 x 500 crossed the 1,000:
+        # the parent failed at the charge, before paying for "write".
+        assert [k[3] for k in kids] == ["ready", "ready"]
+        assert [row[0] for row in sql_conn.execute(
+            "SELECT state FROM belay_jobs WHERE parent_id = %s", (job.id,))] == ["failed"] * 2
+        assert done.errors[-1]["error"] == "budget_exceeded"
+        assert done.errors[-1]["step"] == "$spend:research"
+        assert done.spent_tokens == 1_100 and "write" not in paid
