@@ -157,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="a live tour on a real database (an embedded one when no --url)"
     )
     demo.add_argument("--url", default=None, help="PostgreSQL URL (default: embedded server)")
+    demo.add_argument("--agent", action="store_true",
+                      help="tour a PydanticAI agent as a durable job instead (a scripted "
+                      "model, no API key; extra pydantic-ai)")
     _ops_parsers(commands)
     return parser
 
@@ -275,7 +278,7 @@ def _keep(text: str) -> float | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        return _guarded(lambda: _demo(args.url))
+        return _guarded(lambda: _demo(args.url, agent=args.agent))
     if not args.url:
         print("belay: no database URL: pass --url or set BELAY_DATABASE_URL", file=sys.stderr)
         return 2
@@ -472,9 +475,14 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(url: str | None) -> int:
+def _demo(url: str | None, *, agent: bool = False) -> int:
     from belay import demo
 
+    if agent:
+        from belay import demo_agent
+
+        demo_agent.run(url, print, demo.approve_from_terminal(print))
+        return 0
     demo.run(url)
     return 0
 

@@ -122,12 +122,12 @@ def _agent(client: Belay, registry: Registry, say: Say, ask: Callable[[], bool])
             f"and {done.spent_tokens} tokens of a $0.10 budget; {len(kids)} child jobs")
 
 
-def _approve_from_terminal(say: Say) -> Callable[[], bool]:
+def approve_from_terminal(say: Say) -> Callable[[], bool]:
     def ask() -> bool:
         if not sys.stdin.isatty():
             say("  (no terminal: approving automatically)")
             return True
-        answer = input("  approve the agent's plan? [Y/n] ").strip().lower()
+        answer = input("  approve? [Y/n] ").strip().lower()
         return answer in ("", "y", "yes")
 
     return ask
@@ -188,7 +188,7 @@ def _tour(url: str, say: Say) -> None:
                 detail = {k: v for k, v in detail.items() if k != "traceback"}
             say(f"{job.id:>4}  {job.kind:<18} {job.state:<10} {job.attempt:>8}  {detail}")
         say("")
-        _agent(client, registry, say, _approve_from_terminal(say))
+        _agent(client, registry, say, approve_from_terminal(say))
         say("")
         for queue, counts in sorted(client.stats().items()):
             say(f"queue {queue:<8} " + ", ".join(f"{s}={n}" for s, n in sorted(counts.items())))
