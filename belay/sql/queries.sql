@@ -16,6 +16,11 @@ inserted_at, started_at, finished_at
 -- Keys are built by belay.locks so every lock name has one spelling.
 SELECT pg_advisory_xact_lock(hashtext(%s));
 
+-- name: advisory_try_lock
+-- A session lock taken without waiting, held until its connection closes
+-- (LangGraph's PostgresSaver.setup() can't run inside a transaction).
+SELECT pg_try_advisory_lock(hashtext(%s));
+
 -- name: meta_create
 CREATE TABLE IF NOT EXISTS belay_meta (version int NOT NULL);
 
