@@ -520,36 +520,42 @@ class Context:
         ``$spawn:<name>``, and each child carries the always-unique key
         ``$spawn:<parent>:<name>:<index>``, so a crash between inserting the
         children and journaling the list can't duplicate them. ``options`` are
-        enqueue options for every child (queue, priority, budget, …);
-        ``budget="share"`` splits what is left of this job's budget evenly
-        between the children (see :meth:`map_children` for the charge back).
+        enqueue options for every child (queue, priority, budget, …).
         """
+        if options.get("budget") == SHARE:
+            raise ValidationError(
+                "budget='share' is for map_children, which charges the children's spend "
+                "back to this job at fan-in; with spawn/spawn_many, give the children a "
+                "budget of their own"
+            )
+        return self._spawn_many(name, kind, inputs, options, share=False)
+
+    def _spawn_many(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],
+                    options: dict[str, Any], *, share: bool) -> list[int]:
         if not isinstance(name, str) or not name:
             raise ValidationError(f"a spawn name is a non-empty string, got {name!r}")
         inputs = list(inputs)
         if isinstance(kind, str):
             kind = self.registry.get(kind) or kind
-        share = options.get("budget") == SHARE
 
-        def specs() -> list[JobSpec]:
-            if share:
-                options["budget"] = self._share(len(inputs))
+        def specs(budget: Any) -> list[JobSpec]:
             return [
-                JobSpec(kind, child_input, **options, internal={
+                JobSpec(kind, child_input, **{**options, "budget": budget}, internal={
                     "parent_id": self.id, "unique_key": names.spawn_key(self.id, name, index),
                     "unique_mode": "always",
                 })
                 for index, child_input in enumerate(inputs)
             ]
 
-        if not share:
-            specs()  # bad options fail here, before anything is journaled
+        # Bad options fail here, before anything is journaled.
+        specs(None if share else options.get("budget"))
 
         def insert() -> list[int]:
             # Ids come back for inserted children and for holders of their keys
             # alike: the list is rebuilt from the keys, never trusted from a
             # partial insert.
-            return [job.id for job in self.client.enqueue_many(specs())]
+            budget = self._share(len(inputs)) if share else options.get("budget")
+            return [job.id for job in self.client.enqueue_many(specs(budget))]
 
         ids = self._step(f"$spawn:{name}", insert, None)
         if not isinstance(ids, list):
@@ -604,11 +610,13 @@ class Context:
         budget, and at fan-in their spend is charged to this job (step
         ``$spend:<name>``), so one budget holds across the whole tree: the
         parent fails with ``budget_exceeded`` if the children took it over.
+        (Two fan-outs in flight at once each split the same remainder.)
         """
-        ids = self.spawn_many(name, kind, inputs, **options)
+        share = options.get("budget") == SHARE
+        ids = self._spawn_many(name, kind, inputs, options, share=share)
         by_id = {kid.id: kid for kid in self.await_children()}
         kids = [by_id[i] for i in ids]
-        if options.get("budget") == SHARE:
+        if share:
             spent = {"usd_micros": sum(k.spent_usd_micros for k in kids),
                      "tokens": sum(k.spent_tokens for k in kids)}
             self._step(f"$spend:{name}", lambda: spent, _charge_back)

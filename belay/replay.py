@@ -335,15 +335,16 @@ class ReplayContext(Context):
         self._stopped()
         self._record(Ask("debit", resource, "inert", detail={"units": units, "period": period}))
 
-    def spawn_many(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],
-                   **options: Any) -> list[int]:
+    def _spawn_many(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],
+                    options: dict[str, Any], *, share: bool) -> list[int]:
         if not isinstance(name, str) or not name:
             raise ValidationError(f"a spawn name is a non-empty string, got {name!r}")
         inputs = list(inputs)
         if isinstance(kind, str):
             kind = self.registry.get(kind) or kind
-        for child_input in inputs:
-            JobSpec(kind, child_input, **options)  # bad options fail as in a real run
+        budget = None if share else options.get("budget")
+        for child_input in inputs:  # bad options fail as in a real run
+            JobSpec(kind, child_input, **{**options, "budget": budget})
         ids = self._serve("spawn", f"$spawn:{name}", {"inputs": len(inputs)})
         if not isinstance(ids, list):
             raise ValidationError(f"step $spawn:{name} holds {ids!r}, not a list of job ids")

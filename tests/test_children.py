@@ -185,3 +185,17 @@ def test_shared_budgets_split_what_is_left_and_charge_the_children_back(
         assert done.errors[-1]["error"] == "budget_exceeded"
         assert done.errors[-1]["step"] == "$spend:research"
         assert done.spent_tokens == 1_100 and "write" not in paid
+
+
+def test_a_shared_budget_without_the_charge_back_is_refused(client):
+    reg = belay.Registry()
+
+    @belay.worker(name="b.spawner", registry=reg)
+    def spawner(ctx: belay.Context) -> Any:
+        return ctx.spawn_many("kids", "b.none", [{}], budget="share")
+
+    job = client.enqueue("b.spawner", budget={"usd": 1.0})
+    drain(client=client, registry=reg)
+    error = client.get_job(job.id).errors[-1]["error"]
+    assert "budget='share' is for map_children" in error
+    assert client.list_jobs(parent_id=job.id) == []
