@@ -581,3 +581,113 @@ def test_a_killed_worker_resumes_without_repeating_model_calls(db_url, side_tabl
     assert side_tables.execute("SELECT attempt FROM tool_runs ORDER BY attempt").fetchall() \
         == [(1,), (2,)]
     assert done.spent_tokens == 200
+
+
+# -- Review findings: sub-agents in tools, journaled retries, debits, prices --------------
+
+
+def test_sub_agents_in_tools_keep_their_own_journal_keys_across_a_retry(jobs, agents):
+    """A tool that runs a sub-agent: on the retry the first tool call replays (its
+    sub-agent doesn't run), and the second sub-agent must still get its own keys,
+    not the first one's."""
+    sub_calls: list[str] = []
+
+    def sub_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        topic = str(messages[0].parts[-1].content)  # type: ignore[union-attr]
+        sub_calls.append(topic)
+        ctx = belay.current_context()
+        assert ctx is not None
+        if topic == "B" and ctx.attempt == 1:
+            raise ConnectionError("the sub-agent's provider failed once")
+        return text(f"answer about {topic}")
+
+    sub = Agent(FunctionModel(sub_model), name="sub", capabilities=[BelayDurability(events="none")])
+    lead_script = Script(tool_call("delegate", {"topic": "A"}, "d1"),
+                         tool_call("delegate", {"topic": "B"}, "d2"),
+                         text("done"))
+    lead = Agent(FunctionModel(lead_script), name="lead",
+                 capabilities=[BelayDurability(events="none")])
+    answers: list[str] = []
+
+    @lead.tool_plain
+    async def delegate(topic: str) -> str:
+        answer = (await sub.run(topic)).output
+        answers.append(answer)
+        return answer
+
+    @belay.worker(name="pai.lead2", registry=agents, backoff=lambda attempt: 0)
+    def lead_job(ctx):
+        return run_agent_job(ctx, lead, "two topics")
+
+    job = jobs.enqueue("pai.lead2")
+    assert run(jobs, agents) == {"retry": 1, "succeeded": 1}
+    assert answers == ["answer about A", "answer about B"]
+    assert sub_calls == ["A", "B", "B"]  # A ran once; B failed, then ran again
+    subs = sorted(s.name for s in jobs.steps(job.id) if "sub__model" in s.name)
+    assert len(subs) == 2 and len({n.split("/sub__")[0] for n in subs}) == 2
+
+
+def test_a_model_retry_is_journaled_so_replay_and_retries_do_not_run_the_tool_again(
+        jobs, agents):
+    from pydantic_ai import ModelRetry
+
+    from belay import replay
+
+    script = Script(tool_call("poll", {"n": 1}, "p0"), tool_call("poll", {"n": 2}, "p1"),
+                    text("ready"))
+    agent = Agent(FunctionModel(script), name="poller",
+                  capabilities=[BelayDurability(events="none")])
+    polls: list[int] = []
+
+    @agent.tool_plain
+    def poll(n: int) -> str:
+        polls.append(n)
+        if n == 1:
+            raise ModelRetry("not ready yet, poll again")
+        ctx = belay.current_context()
+        assert ctx is not None
+        if ctx.attempt == 1:
+            raise ConnectionError("crash after the retry was journaled")
+        return "ready"
+
+    @belay.worker(name="poller", registry=agents, backoff=lambda attempt: 0)
+    def poller(ctx):
+        return run_agent_job(ctx, agent, "wait until ready")
+
+    job = jobs.enqueue("poller")
+    assert run(jobs, agents) == {"retry": 1, "succeeded": 1}
+    assert polls == [1, 2, 2]  # the ModelRetry'd call did not run again on attempt 2
+    report = replay.dry_run(jobs, job.id, registry=agents)
+    assert (report.outcome, report.diverged) == ("ok", False)
+
+
+def test_the_crossing_calls_tokens_reach_the_rate_window(jobs, agents, sql_conn):
+    script = Script(*(tool_call("think", {"step": n}, f"k{n}", tokens=100) for n in range(5)))
+    agent = looping_agent("crossing", script, rate_resource="llm", rate_period=60)
+
+    @belay.worker(name="crossing", registry=agents)
+    def crossing(ctx):
+        return run_agent_job(ctx, agent, "go")
+
+    job = jobs.enqueue("crossing", budget={"tokens": 150})
+    run(jobs, agents)
+    assert jobs.get_job(job.id).errors[-1]["error"] == "budget_exceeded"
+    window = sql_conn.execute(
+        "SELECT sum(count) FROM belay_rate WHERE bucket = 'resource:llm'").fetchone()
+    assert window == (200,)  # both calls, the crossing one included
+
+
+def test_a_failing_price_function_names_price(jobs, agents):
+    script = Script(text("x"))
+    agent = looping_agent("badprice", script, price=lambda response: response.usage.nope)
+
+    @belay.worker(name="badprice", registry=agents)
+    def badprice(ctx):
+        return run_agent_job(ctx, agent, "go")
+
+    job = jobs.enqueue("badprice")
+    run(jobs, agents)
+    failed = jobs.get_job(job.id)
+    assert failed.state == "failed" and failed.attempt == 1
+    assert "BelayDurability(price=...) failed" in failed.errors[-1]["error"]
+    assert "returns its dollars" in failed.errors[-1]["error"]

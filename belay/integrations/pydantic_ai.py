@@ -10,8 +10,10 @@ belay job, every model request and every tool call of the agent is a belay step:
   ``price`` (default: genai-prices' price for the model, when it knows the model), so
   the job's budget holds across retries and crashes;
 - a tool call is journaled under its run step and tool-call id, so parallel tool calls
-  keep their keys whatever order they finish in; control flow (``ModelRetry``,
-  ``ApprovalRequired``, ``CallDeferred``) is not journaled, so the call asks again;
+  keep their keys whatever order they finish in; its outcome is journaled whatever it
+  is (a ``ModelRetry`` too), except ``ApprovalRequired`` and ``CallDeferred``, which
+  ask again on the next attempt; an agent run started inside a tool (a sub-agent)
+  numbers its journal keys under the tool call's;
 - waits for input (``RequestInput``, ``wait_for_external_event``) are signals: the job
   parks on ``await_signal`` and the signal's payload is the answer;
 - the run's events go to ``ctx.emit`` as they happen (tool calls and results, final
@@ -29,6 +31,7 @@ import asyncio
 import threading
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -81,11 +84,14 @@ __all__ = ["BelayDurability", "request_input", "run_agent", "run_agent_job"]
 
 ENGINE = "belay"
 
-#: A tool call's journaled result is its raw return; these kinds are control flow.
-_CONTROL_FLOW = frozenset({
-    "approval_required", "call_deferred", "model_retry", "validation_error", "tool_failed",
-    "run_cancelled",
-})
+#: Tool outcomes that are not journaled: the call asks again on the next attempt
+#: (an approved or answered call then runs under the same key). Every other
+#: outcome — a return, a ModelRetry, a failure — is journaled like a value.
+_ASKS_AGAIN = frozenset({"approval_required", "call_deferred"})
+
+#: The journal key of the durable unit running in this task: agent runs started
+#: inside it (a sub-agent in a tool) number themselves under it.
+_UNIT: ContextVar[str | None] = ContextVar("belay_pydantic_ai_unit", default=None)
 
 _RESPONSE = TypeAdapter(ModelResponse)
 _EVENT: TypeAdapter[AgentStreamEvent] = TypeAdapter(AgentStreamEvent)
@@ -100,18 +106,18 @@ EventFilter = Literal["summary", "all", "none"] | Callable[[AgentStreamEvent], b
 
 @dataclass
 class _Execution:
-    """What one execution of a job counts: its agent runs and, per run, each
-    operation's calls. A retry starts from zero and counts again in the same order,
-    which is what makes the journal keys line up."""
+    """What one execution of a job counts: its agent runs (at the top, and within
+    each durable unit) and, per run, each operation's calls. A retry starts from
+    zero and counts again in the same order, which is what makes the journal keys
+    line up: a unit replayed from the journal starts no runs, and counts under
+    other units and at the top don't move."""
 
-    runs: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def next_run(self, job_id: int) -> str:
-        with self.lock:
-            self.runs += 1
-            return f"{job_id}.{self.runs}"
+    def next_run(self, scope: str) -> str:
+        """The next run id under ``scope`` (the job, or a durable unit's key)."""
+        return f"{scope}.{self.next('run:' + scope)}"
 
     def next(self, key: str) -> int:
         with self.lock:
@@ -164,8 +170,15 @@ def default_price(response: ModelResponse) -> Decimal | None:
 def _response_cost(price: Price) -> Callable[[Any], Cost]:
     def cost(payload: Any) -> Cost:
         response = _RESPONSE.validate_python(payload)
-        usd = price(response)
-        return Cost(usd=float(usd or 0), tokens=response.usage.total_tokens)
+        try:
+            usd = float(price(response) or 0)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"BelayDurability(price=...) failed on a response of {response.model_name!r}: "
+                f"{type(exc).__name__}: {exc}; price gets the ModelResponse and returns its "
+                "dollars (a float or Decimal) or None"
+            ) from exc
+        return Cost(usd=usd, tokens=response.usage.total_tokens)
 
     return cost
 
@@ -207,20 +220,24 @@ class _BelayBackend(JournalCallableOperationBackend[None]):
         hit, value = await asyncio.to_thread(ctx._step_lookup, key)
         if hit:
             return value
-        if isinstance(operation_id, ModelRequestId):
-            self._capability._check_rate(ctx)  # before paying for the call, not after
-        payload = await body()
+        unit = _UNIT.set(key)
+        try:
+            payload = await body()
+        finally:
+            _UNIT.reset(unit)
         if isinstance(operation_id, ToolsetCallToolId) and isinstance(payload, Mapping) \
-                and payload.get("kind") in _CONTROL_FLOW:
+                and payload.get("kind") in _ASKS_AGAIN:
             return payload
         priced = isinstance(operation_id, ModelRequestId | ModelCompactMessagesId)
         cost = _response_cost(self._capability.price) if priced else None
-        value = await asyncio.to_thread(ctx._step_record, key, payload, cost, None)
-        if priced and self._capability.rate_resource is not None:
-            tokens = _RESPONSE.validate_python(payload).usage.total_tokens
-            await asyncio.to_thread(ctx.debit, self._capability.rate_resource, tokens,
-                                    period=self._capability.rate_period)
-        return value
+        try:
+            return await asyncio.to_thread(ctx._step_record, key, payload, cost, None)
+        finally:
+            # The tokens were used whether or not the call crossed the budget.
+            if priced and self._capability.rate_resource is not None:
+                tokens = _RESPONSE.validate_python(payload).usage.total_tokens
+                await asyncio.to_thread(ctx.debit, self._capability.rate_resource, tokens,
+                                        period=self._capability.rate_period)
 
 
 class _SignalWaiter(ExternalEventWaiter):
@@ -334,7 +351,10 @@ class BelayDurability(BaseDurabilityCapability[AgentDepsT]):
 
     def get_default_run_id(self) -> str | None:
         ctx = current_context()
-        return None if ctx is None else _execution(ctx).next_run(ctx.id)
+        if ctx is None:
+            return None
+        unit = _UNIT.get()
+        return _execution(ctx).next_run(str(ctx.id) if unit is None else unit)
 
     def get_default_conversation_id(self, run_id: str) -> str | None:
         return conversation_id_from_run_id(run_id) if self.in_durable_context else None
@@ -352,6 +372,7 @@ class BelayDurability(BaseDurabilityCapability[AgentDepsT]):
         job = current_context()
         if job is None:
             return await super().wrap_run(ctx, handler=handler)
+        self._check_rate(job)  # before the run pays for anything
         with external_event_scope(_SignalWaiter(job, ctx.run_id or "run")):
             return await super().wrap_run(ctx, handler=handler)
 
