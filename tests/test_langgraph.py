@@ -756,3 +756,76 @@ def test_workers_setting_up_the_saver_at_once_on_a_fresh_database_all_succeed(
     row = sql_conn.execute("SELECT count(*), count(DISTINCT v) FROM checkpoint_migrations"
                            ).fetchone()
     assert row is not None and row[0] == row[1] > 0
+
+
+# -- Review findings: several turns in one job, agents as tools, price errors --------------
+
+
+def test_two_run_graph_calls_on_one_thread_in_one_job_each_run_their_input(
+    client: belay.Belay, registry: belay.Registry
+) -> None:
+    @belay.worker(name="graph.two_turns", registry=registry, backoff=jobs.no_backoff)
+    def two_turns(ctx: belay.Context) -> Any:
+        graph = jobs.two_nodes(lambda: None, lambda: "x")
+        first = run_graph(ctx, graph, {"log": ["turn 1"]}, thread_id="chat-2")
+        second = run_graph(ctx, graph, {"log": ["turn 2"]}, thread_id="chat-2")
+        if ctx.attempt == 1:
+            raise RuntimeError("lost before the ack: the retry must not run them again")
+        return [first["log"], second["log"]]
+
+    job = client.enqueue("graph.two_turns")
+    assert run(client, registry) == {"retry": 1, "succeeded": 1}
+    turn1 = ["turn 1", "n1", "n2:x"]
+    assert client.get_job(job.id).result == [turn1, [*turn1, "turn 2", "n1", "n2:x"]]  # type: ignore[union-attr]
+
+
+def test_an_agent_used_as_a_tool_journals_its_calls_under_the_tool_call(
+    client: belay.Belay, registry: belay.Registry
+) -> None:
+    from langchain_core.tools import tool
+
+    sub_calls: list[tuple[int, int]] = []
+
+    @belay.worker(name="agent.lead", registry=registry, backoff=jobs.no_backoff)
+    def lead(ctx: belay.Context) -> Any:
+        def sub_answer(a: int) -> None:
+            sub_calls.append((ctx.attempt, a))
+            if a == 1 and ctx.attempt == 1:
+                raise ConnectionError("the sub-agent's provider failed once")
+
+        @tool
+        def add(a: int, b: int) -> int:
+            """Add two integers, after asking a sub-agent."""
+            sub = create_agent(jobs.ScriptedModel(rounds=0, on_call=lambda: sub_answer(a)),
+                               tools=[], middleware=[BelayMiddleware()])
+            sub.invoke({"messages": [("user", f"check {a}")]})
+            return a + b
+
+        agent = create_agent(jobs.ScriptedModel(rounds=2), tools=[add],
+                             middleware=[BelayMiddleware()])
+        out = json_safe(agent.invoke({"messages": [("user", "add twice")]}))
+        return out["messages"][-1]["data"]["content"]
+
+    job = client.enqueue("agent.lead")
+    assert run(client, registry) == {"retry": 1, "succeeded": 1}
+    assert client.get_job(job.id).result == "done after 2 tool calls"  # type: ignore[union-attr]
+    # The first tool call's sub-agent ran once; on attempt 2 that tool call replayed.
+    assert sub_calls == [(1, 0), (1, 1), (2, 1)]
+    inner = [n for n in step_names(client, job.id)
+             if n.startswith("langchain:model:langchain:tool:")]
+    assert inner == [  # each sub-agent's model call, keyed under its tool call
+        "langchain:model:langchain:tool:#:call-1:1/#:1",
+        "langchain:model:langchain:tool:#:call-2:1/#:1"]
+
+
+def test_a_failing_price_function_names_price(
+    client: belay.Belay, registry: belay.Registry
+) -> None:
+    calls: list[int] = []
+    agent_worker(registry, "agent.badprice", calls,
+                 middleware=[BelayMiddleware(price=lambda m: m.usage_metadata["nope"])])
+    job = client.enqueue("agent.badprice")
+    run(client, registry)
+    failed = client.get_job(job.id)
+    assert failed is not None and failed.state == "failed" and failed.attempt == 1
+    assert "BelayMiddleware(price=...) failed" in failed.errors[-1]["error"]

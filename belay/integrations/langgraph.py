@@ -27,6 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import psycopg
@@ -224,11 +225,12 @@ def run_graph(
     belay's database, unless it was compiled with a checkpointer of its own. The
     first attempt journals where the thread stood (step
     ``langgraph:start:<thread>``) and streams ``input``; a later attempt that
-    finds the thread moved on since resumes from its last checkpoint, or returns
-    the final state if it finished. So a thread may carry several jobs, a turn
-    each. ``durability="sync"`` (LangGraph's default is "async") writes each
-    checkpoint before the next step starts: a crash re-runs only the step in
-    progress.
+    finds the thread moved on since resumes from its last checkpoint; a turn
+    that finished returns the result it journaled (``langgraph:result:<thread>``)
+    without running. So a thread may carry several jobs, and a job several
+    turns (each call of an execution is the next one). ``durability="sync"``
+    (LangGraph's default is "async") writes each checkpoint before the next step
+    starts: a crash re-runs only the step in progress.
 
     When the run stops at ``interrupt()``, each pending interrupt waits on the
     signal ``<signal_prefix><interrupt id>``: an event
@@ -258,15 +260,25 @@ def run_graph(
     # from there, no attempt of this job has checkpointed its input (a thread
     # may carry earlier jobs' turns, so "has a checkpoint" is not enough).
     head = _checkpoint_id(state)
-    start = ctx.step(f"langgraph:start:{cfg['configurable']['thread_id']}", lambda: head)
+    thread = str(cfg["configurable"]["thread_id"])
+    # Counted per thread in this execution: a job may run several turns on one thread.
+    turn = _next_turn(ctx, thread)
+    suffix = "" if turn == 1 else f"#{turn}"
+    # A turn that finished in an earlier attempt returns what it returned then
+    # (the thread may have moved on with later turns since).
+    finished = f"langgraph:result:{thread}{suffix}"
+    hit, journaled = ctx._step_lookup(finished)
+    if hit:
+        return journaled
+    start = ctx.step(f"langgraph:start:{thread}{suffix}", lambda: head)
     if head == start:
         run_input: Any = input
     elif state.interrupts:
         run_input = _resume(ctx, state.interrupts, signal_prefix)
     elif state.next:
         run_input = None  # a crashed or parked run: go on from the last checkpoint
-    else:
-        return _result(state.values, result)  # finished before its ack got through
+    else:  # finished before its result was journaled
+        return ctx._step_record(finished, _result(state.values, result), None, None)
     while True:
         for part in graph.stream(run_input, cfg, stream_mode=modes, version="v2",
                                  durability=durability, context=context, subgraphs=subgraphs):
@@ -280,7 +292,18 @@ def run_graph(
                 "breakpoint?): run_graph resumes interrupt() calls only"
             )
         else:
-            return _result(state.values, result)
+            return ctx._step_record(finished, _result(state.values, result), None, None)
+
+
+_turns: weakref.WeakKeyDictionary[Context, dict[str, int]] = weakref.WeakKeyDictionary()
+_turns_lock = threading.Lock()
+
+
+def _next_turn(ctx: Context, thread: str) -> int:
+    with _turns_lock:
+        counts = _turns.setdefault(ctx, {})
+        counts[thread] = counts.get(thread, 0) + 1
+        return counts[thread]
 
 
 def _checkpoint_id(state: Any) -> str | None:
@@ -451,8 +474,19 @@ class BelayMiddleware(AgentMiddleware):
             if isinstance(message, AIMessage):
                 tokens += _tokens(message)
                 if self.price is not None:
-                    usd += float(self.price(message))
+                    usd += self._priced(message)
         return Cost(usd=usd, tokens=tokens) if usd or tokens else None
+
+    def _priced(self, message: AIMessage) -> float:
+        assert self.price is not None
+        try:
+            return float(self.price(message))
+        except Exception as exc:
+            raise ConfigurationError(
+                f"BelayMiddleware(price=...) failed on a model answer: {type(exc).__name__}: "
+                f"{exc}; price gets the AIMessage (usage in message.usage_metadata, which a "
+                "provider may leave None) and returns its dollars as a float"
+            ) from exc
 
     def _debit(self, ctx: Context, journaled: Journaled) -> None:
         if self.rate_resource is None:
@@ -468,15 +502,17 @@ class BelayMiddleware(AgentMiddleware):
         ctx = current_context()
         if ctx is None:
             return handler(request)
-        fresh = []
+        fresh: list[Journaled] = []
 
         def call() -> Journaled:
-            fresh.append(True)
-            return _dump_model(handler(request))
+            fresh.append(_dump_model(handler(request)))
+            return fresh[0]
 
-        journaled = ctx.step(self._model_key(ctx), call, cost=self._cost)
-        if fresh:
-            self._debit(ctx, journaled)
+        try:
+            journaled = ctx.step(self._model_key(ctx), call, cost=self._cost)
+        finally:
+            if fresh:  # the tokens were used, whether or not the call crossed the budget
+                self._debit(ctx, fresh[0])
         return _load_model(journaled, request)
 
     async def awrap_model_call(
@@ -486,16 +522,23 @@ class BelayMiddleware(AgentMiddleware):
         ctx = current_context()
         if ctx is None:
             return await handler(request)
-        fresh = []
+        fresh: list[Journaled] = []
 
         async def call() -> Journaled:
-            fresh.append(True)
-            return _dump_model(await handler(request))
+            fresh.append(_dump_model(await handler(request)))
+            return fresh[0]
 
-        journaled = await ctx.astep(self._model_key(ctx), call, cost=self._cost)
-        if fresh:
-            await _to_thread(self._debit, ctx, journaled)
+        try:
+            journaled = await ctx.astep(self._model_key(ctx), call, cost=self._cost)
+        finally:
+            if fresh:  # the tokens were used, whether or not the call crossed the budget
+                await _to_thread(self._debit, ctx, fresh[0])
         return _load_model(journaled, request)
+
+    # A tool may run an agent of its own (an agent as a tool): its calls are
+    # journaled too, keyed under the tool call's key, so a replayed tool call
+    # that skips them doesn't shift anyone else's keys. That is why tool calls
+    # bypass ctx.step's no-nesting rule (ctx._step_lookup/_step_record).
 
     def wrap_tool_call(
         self, request: ToolCallRequest,
@@ -504,7 +547,15 @@ class BelayMiddleware(AgentMiddleware):
         ctx = current_context()
         if ctx is None:
             return handler(request)
-        journaled = ctx.step(self._tool_key(ctx, request), lambda: _dump_tool(handler(request)))
+        key = self._tool_key(ctx, request)
+        hit, journaled = ctx._step_lookup(key)
+        if not hit:
+            scope = _TOOL.set(key)
+            try:
+                answer = handler(request)
+            finally:
+                _TOOL.reset(scope)
+            journaled = ctx._step_record(key, _dump_tool(answer), None, None)
         return _load_tool(journaled)
 
     async def awrap_tool_call(
@@ -514,24 +565,37 @@ class BelayMiddleware(AgentMiddleware):
         ctx = current_context()
         if ctx is None:
             return await handler(request)
+        key = self._tool_key(ctx, request)
+        hit, journaled = await asyncio.to_thread(ctx._step_lookup, key)
+        if not hit:
+            scope = _TOOL.set(key)
+            try:
+                answer = await handler(request)
+            finally:
+                _TOOL.reset(scope)
+            journaled = await asyncio.to_thread(ctx._step_record, key, _dump_tool(answer),
+                                                None, None)
+        return _load_tool(journaled)
 
-        async def call() -> Journaled:
-            return _dump_tool(await handler(request))
 
-        return _load_tool(await ctx.astep(self._tool_key(ctx, request), call))
+#: The journal key of the tool call running in this task, if any.
+_TOOL: ContextVar[str | None] = ContextVar("belay_langchain_tool", default=None)
 
 
 def _task_scope() -> str:
     """The running LangGraph task's ``checkpoint_ns`` when the graph has a
     checkpointer (task ids then repeat when a thread resumes from a checkpoint),
-    else ``#``: without one, task ids are random per run, so calls count in order."""
+    else ``#``: without one, task ids are random per run, so calls count in order.
+    Inside a tool call (an agent used as a tool), under that call's key."""
+    tool = _TOOL.get()
+    prefix = "" if tool is None else f"{tool}/"
     try:
         configurable = get_config().get("configurable", {})
     except RuntimeError:  # not inside a LangGraph run
-        return "#"
+        return prefix + "#"
     if configurable.get(CONFIG_KEY_CHECKPOINTER) is None:
-        return "#"
-    return str(configurable.get("checkpoint_ns") or "#")
+        return prefix + "#"
+    return prefix + str(configurable.get("checkpoint_ns") or "#")
 
 
 async def _to_thread(fn: Callable[..., None], *args: Any) -> None:
