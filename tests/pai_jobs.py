@@ -74,3 +74,43 @@ def no_backoff(attempt: int) -> float:
 @belay.worker(name=KIND, queue=QUEUE, backoff=no_backoff)
 def research(ctx: belay.Context) -> Any:
     return run_agent_job(ctx, agent, ctx.input["question"])
+
+
+SPENDER = "pai.spender"
+
+
+def thinking_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """Asks for ``think`` forever, 100 tokens a call (a budget must stop it)."""
+    ctx = belay.current_context()
+    assert ctx is not None
+    turn = sum(isinstance(m, ModelResponse) for m in messages) + 1
+    with _conn() as conn:
+        conn.execute("INSERT INTO model_calls (job_id, attempt, n) VALUES (%s, %s, %s)",
+                     (ctx.id, ctx.attempt, turn))
+    return ModelResponse(parts=[ToolCallPart("think", {"step": turn}, tool_call_id=f"k{turn}")],
+                         usage=RequestUsage(input_tokens=100, output_tokens=0))
+
+
+spender_agent = Agent(FunctionModel(thinking_model), name="spender",
+                      capabilities=[BelayDurability(events="none")])
+
+
+@spender_agent.tool_plain
+def think(step: int) -> str:
+    return f"thought {step}"
+
+
+@belay.worker(name=SPENDER, queue=QUEUE, backoff=no_backoff)
+def spender(ctx: belay.Context) -> Any:
+    """On attempt 1, hold after the crossing call is journaled, before the failing
+    ack goes out — the test kills the process there."""
+    try:
+        return run_agent_job(ctx, spender_agent, "think")
+    except belay.BudgetExceeded:
+        if ctx.attempt == 1:
+            with _conn() as conn:
+                conn.execute("INSERT INTO crossed (job_id) VALUES (%s)", (ctx.id,))
+            deadline = time.monotonic() + HOLD_BOUND
+            while time.monotonic() < deadline:
+                time.sleep(0.02)
+        raise

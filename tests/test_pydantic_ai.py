@@ -542,6 +542,7 @@ def test_run_agent_from_async_code_of_your_own(jobs, agents):
 def side_tables(sql_conn: Conn) -> Conn:
     sql_conn.execute("CREATE TABLE model_calls (job_id bigint, attempt int, n int)")
     sql_conn.execute("CREATE TABLE tool_runs (job_id bigint, attempt int)")
+    sql_conn.execute("CREATE TABLE crossed (job_id bigint)")
     return sql_conn
 
 
@@ -691,3 +692,31 @@ def test_a_failing_price_function_names_price(jobs, agents):
     assert failed.state == "failed" and failed.attempt == 1
     assert "BelayDurability(price=...) failed" in failed.errors[-1]["error"]
     assert "returns its dollars" in failed.errors[-1]["error"]
+
+
+def test_a_budget_crossed_before_a_kill_fails_the_next_attempt_before_any_call(
+        db_url, side_tables, tmp_path):
+    first = worker_process(db_url, tmp_path / "first.log")
+    try:
+        with belay.Belay(db_url) as producer:
+            job = producer.enqueue("pai.spender", queue="pai", budget={"tokens": 250})
+            wait_until(lambda: side_tables.execute("SELECT 1 FROM crossed").fetchone(),
+                       "the crossing call was journaled and the worker holds", timeout=20)
+            assert producer.get_job(job.id).state == "running"
+            first.kill()  # the failing ack never went out
+            second = worker_process(db_url, tmp_path / "second.log")
+            try:
+                wait_until(lambda: producer.get_job(job.id).state == "failed",
+                           "the second worker failed the job", timeout=30)
+            finally:
+                second.kill()
+            failed = producer.get_job(job.id)
+    finally:
+        first.kill()
+    assert [(e["error"], e["attempt"]) for e in failed.errors] == [
+        ("lease_expired", 1), ("budget_exceeded", 2)]
+    # Three calls, all on attempt 1: attempt 2 replayed them and stopped at the
+    # pre-flight before the next call.
+    assert side_tables.execute("SELECT attempt, n FROM model_calls ORDER BY n").fetchall() \
+        == [(1, 1), (1, 2), (1, 3)]
+    assert failed.spent_tokens == 300
