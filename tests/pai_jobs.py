@@ -32,14 +32,20 @@ def _conn() -> psycopg.Connection[Any]:
     return psycopg.connect(ctx.client.conninfo, autocommit=True)
 
 
-def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-    """Turn 1 asks for the ``lookup`` tool, turn 2 answers; 100 tokens a call."""
+def _record_call(messages: list[ModelMessage]) -> int:
+    """Record this model call in ``model_calls``; returns its turn (1-based)."""
     ctx = belay.current_context()
     assert ctx is not None
     turn = sum(isinstance(m, ModelResponse) for m in messages) + 1
     with _conn() as conn:
         conn.execute("INSERT INTO model_calls (job_id, attempt, n) VALUES (%s, %s, %s)",
                      (ctx.id, ctx.attempt, turn))
+    return turn
+
+
+def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """Turn 1 asks for the ``lookup`` tool, turn 2 answers; 100 tokens a call."""
+    turn = _record_call(messages)
     usage = RequestUsage(input_tokens=60, output_tokens=40)
     if turn == 1:
         return ModelResponse(parts=[ToolCallPart("lookup", {"topic": "queues"}, tool_call_id="t1")],
@@ -81,12 +87,7 @@ SPENDER = "pai.spender"
 
 def thinking_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     """Asks for ``think`` forever, 100 tokens a call (a budget must stop it)."""
-    ctx = belay.current_context()
-    assert ctx is not None
-    turn = sum(isinstance(m, ModelResponse) for m in messages) + 1
-    with _conn() as conn:
-        conn.execute("INSERT INTO model_calls (job_id, attempt, n) VALUES (%s, %s, %s)",
-                     (ctx.id, ctx.attempt, turn))
+    turn = _record_call(messages)
     return ModelResponse(parts=[ToolCallPart("think", {"step": turn}, tool_call_id=f"k{turn}")],
                          usage=RequestUsage(input_tokens=100, output_tokens=0))
 

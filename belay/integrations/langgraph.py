@@ -532,7 +532,7 @@ class BelayMiddleware(AgentMiddleware):
             journaled = await ctx.astep(self._model_key(ctx), call, cost=self._cost)
         finally:
             if fresh:  # the tokens were used, whether or not the call crossed the budget
-                await _to_thread(self._debit, ctx, fresh[0])
+                await asyncio.to_thread(self._debit, ctx, fresh[0])
         return _load_model(journaled, request)
 
     # A tool may run an agent of its own (an agent as a tool): its calls are
@@ -596,10 +596,6 @@ def _task_scope() -> str:
     if configurable.get(CONFIG_KEY_CHECKPOINTER) is None:
         return prefix + "#"
     return prefix + str(configurable.get("checkpoint_ns") or "#")
-
-
-async def _to_thread(fn: Callable[..., None], *args: Any) -> None:
-    await asyncio.to_thread(fn, *args)
 
 
 def _tokens(message: AIMessage) -> int:
