@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from belay.errors import ValidationError
+
 _UNSAFE = re.compile(rb"[^A-Za-z0-9_]")
 _MAX_IDENTIFIER = 63
 
@@ -76,3 +78,44 @@ def notify_channel(database: str) -> str:
     channel names, and LISTEN truncates identifiers to that length anyway.
     """
     return ("belay_" + _UNSAFE.sub(b"_", database.encode()).decode())[:_MAX_IDENTIFIER]
+
+
+# Limits on the names belay stores and indexes. PostgreSQL's text holds neither
+# NUL nor lone surrogates (they fail deep inside a statement, after other SQL
+# ran), a btree entry over ~2,700 bytes fails its insert, and a NOTIFY payload
+# carrying a name must stay under 8,000 bytes: checked here, before any SQL.
+MAX_NAME_BYTES = 255
+"""Kinds, queues, partition keys, signal and cron names, ids, runtime ids."""
+MAX_KEY_BYTES = 1024
+"""Unique keys and idempotency keys."""
+
+
+def text_problem(value: str) -> str | None:
+    """Why PostgreSQL text can't hold ``value``, or None when it can."""
+    if "\x00" in value:
+        return "contains a NUL character (\\x00), which PostgreSQL text cannot hold"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "contains a lone surrogate, which is not valid UTF-8"
+    return None
+
+
+def check_text(
+    value: object, what: str, *, max_bytes: int = MAX_NAME_BYTES, empty: bool = False
+) -> str:
+    """``value`` if it is a string belay can store as a name; a ValidationError naming
+    ``what`` and the fix otherwise (before any SQL runs)."""
+    if not isinstance(value, str):
+        raise ValidationError(f"{what} must be a string, got {type(value).__name__}")
+    if not empty and not value.strip():
+        raise ValidationError(f"{what} must be a non-empty string, got {value!r}")
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValidationError(f"{what} {problem}: {value!r}")
+    size = len(value.encode("utf-8"))
+    if size > max_bytes:
+        raise ValidationError(
+            f"{what} is {size} bytes long; the limit is {max_bytes} bytes (UTF-8)"
+        )
+    return value
