@@ -580,6 +580,7 @@ class Belay:
         _check_scope(scope)
         if not isinstance(name, str) or not name:
             raise ValidationError(f"a signal name is a non-empty string, got {name!r}")
+        names.check_text(name, "a signal name", empty=True)
         with self.transaction(conn) as active:
             return store.clear_signal(active, scope, name)
 
@@ -647,17 +648,20 @@ class Belay:
     def delete_cron(self, name: str, *, conn: Conn | None = None) -> bool:
         """Delete a dynamic cron; False when there was none. A static cron of that
         name fires again."""
+        names.check_text(name, "a cron name")
         with self.transaction(conn) as active:
             return store.delete_cron(active, name)
 
     def pause_cron(self, name: str, *, conn: Conn | None = None) -> bool:
         """Stop a dynamic cron firing (a static cron of that name too); False when
         there is no such row."""
+        names.check_text(name, "a cron name")
         with self.transaction(conn) as active:
             return store.set_cron_paused(active, name, True, self.clock.now())
 
     def resume_cron(self, name: str, *, conn: Conn | None = None) -> bool:
         """Let a paused dynamic cron fire again; False when there is no such row."""
+        names.check_text(name, "a cron name")
         with self.transaction(conn) as active:
             return store.set_cron_paused(active, name, False, self.clock.now())
 
@@ -677,6 +681,7 @@ class Belay:
         serves the queue with these options within its ``queue_sync_interval``,
         in place of a static queue's options of that name. The options are
         checked here, so a bad row never reaches a worker. A pause stays as it was."""
+        names.check_text(name, "a queue name")
         opts: dict[str, Any] = {"limit": limit, "global_limit": global_limit, "rate": rate,
                                 "partition": partition}
         spec = parse_queue_spec(name, {k: v for k, v in opts.items() if v is not None})
@@ -690,6 +695,7 @@ class Belay:
     def delete_queue(self, name: str, *, conn: Conn | None = None) -> bool:
         """Remove the row: workers stop serving a queue only the row defined (its
         running jobs finish) and go back to their static options for the rest."""
+        names.check_text(name, "a queue name")
         with self.connection(conn) as active:
             return store.delete_queue(active, name)
 
@@ -698,11 +704,13 @@ class Belay:
         static queues too. ``Worker.pause_queue`` pauses one node only."""
         if not isinstance(name, str) or not name:
             raise ValidationError(f"a queue name is a non-empty string, got {name!r}")
+        names.check_text(name, "a queue name")
         with self.connection(conn) as active:
             store.pause_queue(active, name, self.clock.now())
 
     def resume_queue(self, name: str, *, conn: Conn | None = None) -> bool:
         """Undo :meth:`pause_queue`; False when the queue had no row."""
+        names.check_text(name, "a queue name")
         with self.transaction(conn) as active:
             return store.resume_queue(active, name, self.clock.now())
 
@@ -808,11 +816,13 @@ def _job_id(job_id: Any, *, what: str = "a job id") -> int:
 def _check_scope(scope: Any) -> None:
     if not isinstance(scope, str) or not scope:
         raise ValidationError(f"a signal scope is a non-empty string like 'job:42', got {scope!r}")
+    names.check_text(scope, "a signal scope", empty=True)
 
 
 def _check_signal_name(name: Any) -> None:
     if not isinstance(name, str) or not name:
         raise ValidationError(f"a signal name is a non-empty string, got {name!r}")
+    names.check_text(name, "a signal name", empty=True)
     if name.startswith(names.RESERVED_PREFIX):
         raise ValidationError(
             f"signal names starting with '$' are reserved for belay ({name!r}); "

@@ -127,7 +127,29 @@ def dumps_object(value: Any, *, what: str) -> bytes:
         raise ValidationError(
             f"{what} must be a dict (a JSON object), got {type(value).__name__}"
         )
-    return dumps(value if isinstance(value, dict) else dict(value), what=what)
+    data = dumps(value if isinstance(value, dict) else dict(value), what=what)
+    if b"\\u0000" in data:
+        _check_no_nul(value, what)
+    return data
+
+
+def _check_no_nul(value: Any, what: str) -> None:
+    """jsonb (where objects are stored) refuses ``\\u0000`` in any string; a
+    bytea value (step values, results) holds it."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                raise ValidationError(
+                    f"{what} contains a NUL character (\\x00) in {item[:40]!r}, which "
+                    "PostgreSQL's jsonb cannot store; remove it or encode the text (e.g. base64)"
+                )
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def encode_value(value: Any, *, what: str = "value") -> bytes:

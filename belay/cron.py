@@ -425,6 +425,7 @@ def dynamic_values(
     (input and opts as JSON text). Raises :class:`belay.ValidationError`."""
     if not isinstance(name, str) or not name.strip():
         raise ValidationError(f"a cron needs a name (a non-empty string), got {name!r}")
+    names.check_text(name, "a cron name")
     label = f"cron {name!r}"
     expr = parse(expression)
     kind = kind_of(worker)[0]

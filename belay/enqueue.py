@@ -130,6 +130,7 @@ def kind_of(kind: Any) -> tuple[str, Mapping[str, Any]]:
             )
     if not name.strip():
         raise ValidationError("kind must be a non-empty worker name")
+    names.check_text(name, "kind")
     return name, defaults
 
 
@@ -151,6 +152,7 @@ def build_row(spec: JobSpec, now: datetime) -> Row:
     queue = opt("queue", DEFAULT_QUEUE)
     if not isinstance(queue, str) or not queue.strip():
         raise ValidationError(f"queue must be a non-empty string, got {queue!r}")
+    names.check_text(queue, "queue")
 
     priority = _int("priority", opt("priority", 0), *_INT32)
     max_attempts = _int("max_attempts", opt("max_attempts", DEFAULT_MAX_ATTEMPTS), 1, _INT32[1])
@@ -163,8 +165,9 @@ def build_row(spec: JobSpec, now: datetime) -> Row:
     budget_usd_micros, budget_tokens = _budget(opt("budget", None))
 
     partition_key = spec.partition_key
-    if partition_key is not None and not isinstance(partition_key, str):
-        raise ValidationError(f"partition_key must be a string, got {type(partition_key).__name__}")
+    if partition_key is not None:
+        names.check_text(partition_key, "partition_key", max_bytes=names.MAX_KEY_BYTES,
+                         empty=True)
 
     state = internal.get("state", "ready")
     if state not in ("ready", "held"):
@@ -225,14 +228,33 @@ def _ready_at(delay: Any, run_at: Any, now: datetime) -> datetime:
     if delay is None:
         return now
     if isinstance(delay, timedelta):
-        seconds = delay.total_seconds()
+        seconds = delay.total_seconds()  # exact to the microsecond, finite for any timedelta
     elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
         seconds = float(delay)
     else:
         raise ValidationError(f"delay must be seconds or a timedelta, got {delay!r}")
+    return now + timedelta(seconds=check_seconds("delay", seconds, original=delay))
+
+
+MAX_DELAY_SECONDS: Final = 100 * 365 * 86_400
+"""The longest delay (and durable sleep or snooze) belay takes: 100 years."""
+
+
+def check_seconds(
+    name: str, seconds: float, *, original: Any = None, maximum: float = MAX_DELAY_SECONDS
+) -> float:
+    """``seconds`` if it is a finite number of seconds in ``0..maximum``; a
+    ValidationError naming ``name`` otherwise (a datetime overflow is no error
+    a caller can act on)."""
+    shown = seconds if original is None else original
     if not seconds >= 0 or seconds == float("inf"):
-        raise ValidationError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
-    return now + timedelta(seconds=seconds)
+        raise ValidationError(f"{name} must be a finite number of seconds >= 0, got {shown!r}")
+    if seconds > maximum:
+        raise ValidationError(
+            f"{name} must be at most {maximum:,.0f} seconds (100 years), got {shown!r}; "
+            "for a fixed moment give run_at"
+        )
+    return seconds
 
 
 def check_unique(unique: Any) -> None:
@@ -261,11 +283,21 @@ def _unique(unique: Any, now: datetime) -> tuple[str | None, str | None]:
     key, mode, window = unique.key, unique.mode, unique.window
     if not isinstance(key, str) or not key:
         raise ValidationError(f"unique key must be a non-empty string, got {key!r}")
+    names.check_text(key, "unique key", max_bytes=names.MAX_KEY_BYTES, empty=True)
     if key.startswith(names.RESERVED_PREFIX):
         raise ValidationError(f"unique keys starting with '$' are reserved for belay: {key!r}")
     if mode not in UNIQUE_MODES:
         raise ValidationError(
             f"unique mode must be one of {', '.join(UNIQUE_MODES)}, got {mode!r}"
+        )
+    if mode == "always" and names.looks_windowed(key):
+        # 'window' and 'always' keys share one unique index (§5.2), and a window
+        # key is stored as <key>@<bucket>: an 'always' key of that shape would
+        # capture a window key of another job.
+        raise ValidationError(
+            f"unique key {key!r} ends in '@<digits>', the form of a window key's bucket; "
+            "with mode 'always' it would collide with mode 'window' keys: change the "
+            "suffix (e.g. '#' instead of '@')"
         )
     if mode == "window":
         if isinstance(window, bool) or not isinstance(window, int) or window <= 0:

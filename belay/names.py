@@ -65,6 +65,14 @@ def window_key(key: str, epoch_seconds: int, window: int) -> str:
     return f"{key}@{epoch_seconds // window}"
 
 
+_WINDOW_SUFFIX = re.compile(r"@-?[0-9]+\Z")
+
+
+def looks_windowed(key: str) -> bool:
+    """Whether ``key`` has the form of a window key, ``<key>@<bucket>``."""
+    return _WINDOW_SUFFIX.search(key) is not None
+
+
 def spawn_key(parent_id: int, name: str, index: int) -> str:
     """§8.4: the always-unique key of a spawned child."""
     return f"$spawn:{parent_id}:{name}:{index}"

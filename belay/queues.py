@@ -25,7 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from belay.errors import ConfigurationError
+from belay import names
+from belay.errors import ConfigurationError, ValidationError
 
 #: The local limit of a queue given by name only.
 DEFAULT_LIMIT = 10
@@ -108,6 +109,10 @@ def parse_spec(name: Any, value: Any) -> QueueSpec:
     """``10`` or ``{"limit": …, "global_limit": …, "rate": …, "partition": …}`` → spec."""
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"a queue name is a non-empty string, got {name!r}")
+    try:
+        names.check_text(name, "a queue name")
+    except ValidationError as exc:
+        raise ConfigurationError(str(exc)) from None
     if not isinstance(value, Mapping):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigurationError(

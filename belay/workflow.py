@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import psycopg
 
+from belay import names
 from belay.enqueue import JobSpec, build_row
 from belay.errors import ValidationError
 
@@ -76,6 +77,8 @@ class Workflow:
                 f"workflow_id must be a non-empty string like 'nightly-2026-11-29', "
                 f"got {workflow_id!r}"
             )
+        names.check_text(name, "a workflow name")
+        names.check_text(workflow_id, "workflow_id", max_bytes=names.MAX_KEY_BYTES)
         self.name = name
         self.workflow_id = workflow_id
         self.ignore: tuple[str, ...] = _ignore(ignore, f"workflow {name!r}")
@@ -127,6 +130,7 @@ class Workflow:
             raise ValidationError(
                 f"a workflow member name is a non-empty string like 'extract', got {name!r}"
             )
+        names.check_text(name, "a workflow member name")
         if name in self._members:
             raise ValidationError(
                 f"workflow {self.name!r} already has a member named {name!r}; "
