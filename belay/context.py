@@ -61,6 +61,13 @@ def current_context() -> Context | None:
     return _CURRENT.get()
 
 
+def describe(exc: BaseException) -> str:
+    """:func:`belay.outcome.describe` (imported late: ``belay.outcome`` imports this module)."""
+    from belay.outcome import describe as describe_exception
+
+    return describe_exception(exc)
+
+
 def _check_step_name(name: object) -> None:
     if not isinstance(name, str) or not name or "\x00" in name:
         raise ValidationError(f"a step name is a non-empty string without NUL, got {name!r}")
@@ -353,6 +360,10 @@ class Context:
             envelope = encode_value(value, what=f"the value of step {name!r}")
         except ValidationError as exc:
             raise self._control(StepValueRefused(str(exc))) from None
+        except Exception as exc:  # the value's own code raised (a dict subclass's items() …)
+            raise self._control(StepValueRefused(
+                f"the value of step {name!r} could not be serialized: {describe(exc)}"
+            )) from None
         if len(envelope) > MAX_STEP_VALUE:
             raise self._control(StepValueRefused(
                 f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
@@ -378,8 +389,10 @@ class Context:
         try:
             return cost_units(cost(value))
         except Exception as exc:
+            # describe(): the exception's own __str__ may raise, and must not
+            # turn this refusal into an ordinary retry that pays for the step again.
             raise self._control(StepValueRefused(
-                f"the cost function of step {name!r} failed: {type(exc).__name__}: {exc}; "
+                f"the cost function of step {name!r} failed: {describe(exc)}; "
                 "it gets the step's value and returns a belay.Cost, a dict or None"
             )) from exc
 

@@ -61,7 +61,15 @@ from belay.cron import CronScheduler
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.errors import ConfigurationError, ValidationError
 from belay.job import Job
-from belay.outcome import Outcome, decide, default_backoff, retry_or_fail, safe_delay
+from belay.outcome import (
+    Outcome,
+    decide,
+    default_backoff,
+    describe,
+    retry_or_fail,
+    safe_delay,
+    safe_repr,
+)
 from belay.queues import QueueSpec, adapt_limit, parse_queues
 from belay.queues import merge as merge_queues
 from belay.registry import DEFAULT_REGISTRY, Chunk, Registry
@@ -820,34 +828,59 @@ class Worker:
             owner = next((e for e in runnable if e.control is raised), None)
             for execution in runnable:
                 if owner is None or execution is owner:
-                    outcomes[execution.job.id] = self._conclude(execution, None, raised)
+                    outcomes[execution.job.id] = self._conclude_one(execution, None, raised)
                 else:
-                    outcomes[execution.job.id] = self._conclude(
+                    outcomes[execution.job.id] = self._conclude_one(
                         execution, None, None, outcome=Outcome("snooze", at=self._now()))
             return outcomes
-        if returned is not None and not isinstance(returned, Mapping):
-            raised = ValidationError(
-                "a chunk worker returns None or a dict of job id → result, got "
-                f"{type(returned).__name__}")
-        by_id: Mapping[Any, Any] = returned if isinstance(returned, Mapping) else {}
+        try:
+            ends = self._chunk_ends(definition.kind, runnable, returned)
+        except BaseException as exc:  # user code: a Mapping's __iter__, a key's __eq__ …
+            bad = ValidationError(f"the chunk worker's return value could not be read: "
+                                  f"{describe(exc)}")
+            ends = {e.job.id: (None, bad) for e in runnable}
+        for execution in runnable:
+            result, error = ends[execution.job.id]
+            outcomes[execution.job.id] = self._conclude_one(execution, result, error)
+        return outcomes
+
+    def _chunk_ends(self, kind: str, runnable: list[Execution], returned: Any
+                    ) -> dict[int, tuple[Any, BaseException | None]]:
+        """(result, raised) per job id from a chunk worker's return value."""
+        if returned is None:
+            return {e.job.id: (None, None) for e in runnable}
+        if not isinstance(returned, Mapping):
+            bad = ValidationError("a chunk worker returns None or a dict of job id → result, "
+                                  f"got {type(returned).__name__}")
+            return {e.job.id: (None, bad) for e in runnable}
+        by_id: Mapping[Any, Any] = returned
         strays = set(by_id) - {e.job.id for e in runnable}
         if strays:
             log.warning("belay: chunk worker %s returned outcomes for jobs not in its chunk: %s",
-                        definition.kind, sorted(map(repr, strays)))
+                        kind, sorted(map(safe_repr, strays)))
+        ends: dict[int, tuple[Any, BaseException | None]] = {}
         for execution in runnable:
             job_id = execution.job.id
-            if raised is not None:
-                outcomes[job_id] = self._conclude(execution, None, raised)
-            elif returned is None:
-                outcomes[job_id] = self._conclude(execution, None, None)
-            elif job_id not in by_id:
-                outcomes[job_id] = self._conclude(execution, None, ValidationError(
+            if job_id not in by_id:
+                ends[job_id] = (None, ValidationError(
                     f"the chunk worker returned no outcome for job {job_id}"))
-            elif isinstance(by_id[job_id], BaseException):
-                outcomes[job_id] = self._conclude(execution, None, by_id[job_id])
-            else:
-                outcomes[job_id] = self._conclude(execution, by_id[job_id], None)
-        return outcomes
+                continue
+            mine = by_id[job_id]
+            # issubclass of the type: isinstance would read a user object's __class__.
+            ends[job_id] = (None, mine) if issubclass(type(mine), BaseException) else (mine, None)
+        return ends
+
+    def _conclude_one(self, execution: Execution, returned: Any, raised: BaseException | None,
+                      *, outcome: Outcome | None = None) -> str:
+        """Conclude one job of a chunk: one that can't be acked (the database
+        refused) must not keep the others from theirs."""
+        try:
+            return self._conclude(execution, returned, raised, outcome=outcome)
+        except Exception as exc:
+            log.exception("belay: recording job %d attempt %d failed; its lease will lapse and "
+                          "it will be reclaimed", execution.job.id, execution.job.attempt)
+            self._crashed([execution], exc)
+            return "crashed"
 
     def _decrypt(self, execution: Execution) -> bool:
         """Decrypt an encrypted input in place; False when it can't be (the job was
@@ -892,10 +925,12 @@ class Worker:
             why = execution.ended or "ended"
             log.warning("belay: job %d attempt %d %s; its %s is discarded", job.id, job.attempt,
                         "lost its lease" if why == "lost" else "timed out",
-                        "error" if raised else "result")
+                        "error" if raised is not None else "result")
             self._finished(job, why, duration, None, raised)
             return why
-        if isinstance(raised, Park):
+        # issubclass of the type: isinstance would read a user object's __class__.
+        if raised is not None and issubclass(type(raised), Park):
+            assert isinstance(raised, Park)
             kind = self._park(job, raised)
             self._finished(job, kind, duration, None, raised)
             return kind
@@ -1048,8 +1083,8 @@ class Worker:
         for hook in self._start_hooks:
             try:
                 hook(execution.job)
-            except Exception:
-                log.exception("belay: on_job_start hook %r failed", hook)
+            except BaseException:  # a hook's failure, whatever its class, is not the job's
+                log.exception("belay: on_job_start hook %s failed", safe_repr(hook))
 
     def _crashed(self, executions: Iterable[Execution], exc: BaseException) -> None:
         """End, as ``crashed``, the started executions whose end was not reported."""
@@ -1075,8 +1110,8 @@ class Worker:
         for hook in self._hooks:
             try:
                 hook(event)
-            except Exception:
-                log.exception("belay: on_job_end hook %r failed", hook)
+            except BaseException:  # after the ack: it must not stop a chunk's other acks
+                log.exception("belay: on_job_end hook %s failed", safe_repr(hook))
 
     def _running(self) -> list[Execution]:
         with self._lock:
