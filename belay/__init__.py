@@ -30,7 +30,7 @@ from belay.context import (
     current_context,
 )
 from belay.cron import CronEntry, CronScheduler, DynamicCron
-from belay.enqueue import JobSpec, Unique
+from belay.enqueue import MAX_DELAY_SECONDS, JobSpec, Unique
 from belay.errors import (
     BelayError,
     ConfigurationError,
@@ -45,6 +45,7 @@ from belay.errors import (
     ValidationError,
 )
 from belay.job import Event, Job, Step, WorkflowStatus
+from belay.names import MAX_KEY_BYTES, MAX_NAME_BYTES
 from belay.outcome import Cancel, Snooze, default_backoff
 from belay.queues import QueueSpec
 from belay.registry import Registry, WorkerDef, worker
@@ -54,6 +55,9 @@ from belay.workflow import Workflow
 
 __all__ = [
     "CONTRACT_MAJOR",
+    "MAX_DELAY_SECONDS",
+    "MAX_KEY_BYTES",
+    "MAX_NAME_BYTES",
     "MIN_REVISION",
     "TIMEOUT",
     "Belay",

@@ -9,9 +9,11 @@ so a foreign value can't crash a reader or a worker.
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import re
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +44,14 @@ class Opaque:
 
 
 def dumps(value: Any, *, what: str = "value") -> bytes:
-    """Serialize to JSON, refusing anything that would not read back the same.
+    """Serialize to JSON, refusing what would read back as something else.
 
-    NaN and infinities are refused too: orjson would write them as ``null``.
+    NaN and infinities are refused (orjson would write them as ``null``), and so
+    are datetimes, dataclasses, sets and bytes. A few types convert as every
+    JSON encoder does, the same on both paths (documented in docs/client.md):
+    tuples become lists, UUIDs their canonical string, Enums their value, and
+    subclasses of str/int/float their base value. Integers of any size are
+    written exactly.
     """
     try:
         data = orjson.dumps(value, option=_STRICT)
@@ -82,18 +89,30 @@ def _dumps_exact(value: Any, what: str) -> bytes:
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
-        elif item is not None and not isinstance(item, (str, int, float)):
+        elif isinstance(item, enum.Enum):
+            stack.append(item.value)
+        elif item is not None and not isinstance(item, (str, int, float, uuid.UUID)):
             raise ValidationError(
                 f"{what} is not JSON-serializable ({type(item).__name__}); use dicts with str "
                 "keys, lists, str, int, float, bool and None"
             )
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+                          default=_as_orjson_would)
     except ValueError:
         raise ValidationError(f"{what} contains a float JSON cannot represent") from None
     except RecursionError:
         raise ValidationError(f"{what} is nested too deeply for JSON") from None
     return text.encode()
+
+
+def _as_orjson_would(item: Any) -> Any:
+    """The stdlib path's conversions, the same as orjson's (docs/client.md)."""
+    if isinstance(item, enum.Enum):
+        return item.value
+    if isinstance(item, uuid.UUID):
+        return str(item)
+    raise TypeError(type(item).__name__)
 
 
 def _check_finite(value: Any, what: str) -> None:
@@ -102,7 +121,9 @@ def _check_finite(value: Any, what: str) -> None:
         item = stack.pop()
         if isinstance(item, float) and not math.isfinite(item):
             raise ValidationError(f"{what} contains {item!r}, which JSON cannot represent")
-        if isinstance(item, Mapping):
+        if isinstance(item, enum.Enum):
+            stack.append(item.value)
+        elif isinstance(item, Mapping):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
