@@ -12,7 +12,9 @@ Exit codes:
 0    success
 1    the database is unusable: unreachable, no schema, outdated schema,
      unknown contract major, or it refused a statement
-2    bad usage: bad arguments, bad JSON, options belay refuses
+2    bad usage: bad arguments, bad JSON, options belay refuses (a number that
+     is inf, nan or out of range, TLS files that are no good), a module given
+     to ``--import`` or ``--authorizer`` that is missing or fails to import
 3    not found: no such job, queue row or cron row
 4    not possible in the job's current state (retrying a job that did not fail)
 5    ``replay`` diverged from the record (blocked, raised, unused or reordered
@@ -21,16 +23,20 @@ Exit codes:
      exit 0 on SIGINT and SIGTERM
 ===  ==========================================================================
 
-Errors go to stderr as ``belay: <what went wrong and what to do>``. Output cut
-short by its reader (``belay jobs | head``) ends quietly with 0.
+Errors go to stderr as ``belay: <what went wrong and what to do>``, with any
+database password shown as ``***`` (:mod:`belay.redact`). Output cut short by
+its reader (``belay jobs | head``) ends quietly with 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +51,7 @@ from belay.errors import (
     ValidationError,
 )
 from belay.job import STATES
+from belay.redact import describe, redact, redact_logging, secrets_of
 from belay.retention import DEFAULT_RETENTION, DEFAULT_SIGNAL_TTL
 from belay.schema import CONTRACT_MAJOR, MIN_REVISION, latest_revision
 
@@ -133,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     http.add_argument("--lease-ttl", type=float, default=30.0, metavar="SECONDS",
                       help="the lease of a job an HTTP worker runs (renewed while its "
                            "session lives)")
+    http.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="a request body that takes longer to arrive is answered 408 "
+                           "and its connection closed (default 30)")
 
     mcp = with_url("mcp", "serve an MCP server for agents (stdio by default)")
     mcp.add_argument("--transport", choices=("stdio", "http"), default="stdio",
@@ -153,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[],
                       metavar="NAME", help="a Host name to answer to besides 127.0.0.1, "
                       "localhost and ::1, like the one a reverse proxy forwards (repeatable)")
+    dash.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="close a connection whose request stalls this long, in whole "
+                           "seconds (default 30)")
     demo = commands.add_parser(
         "demo", help="a live tour on a real database (an embedded one when no --url)"
     )
@@ -277,52 +290,71 @@ def _keep(text: str) -> float | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "demo":
-        return _guarded(lambda: _demo(args.url, agent=args.agent))
-    if not args.url:
-        print("belay: no database URL: pass --url or set BELAY_DATABASE_URL", file=sys.stderr)
-        return 2
+    # Whatever is printed or logged from here on is redacted with the
+    # passwords of the URL given, however malformed it is.
+    secrets = secrets_of(getattr(args, "url", None))
+    return _guarded(lambda: _dispatch(args, secrets), secrets)
+
+
+def _dispatch(args: argparse.Namespace, secrets: Sequence[str]) -> int:
+    _check_numbers(args)
     if args.command == "worker":
-        return _guarded(lambda: _worker(args))
+        return _worker(args, secrets)
+    _redact_last_resort(secrets)
+    if args.command == "demo":
+        return _demo(args.url, agent=args.agent)
+    if not args.url:
+        raise ValidationError("no database URL: pass --url or set BELAY_DATABASE_URL")
     if args.command == "replay":
-        return _guarded(lambda: _replay(args))
+        return _replay(args)
     if args.command == "mcp":
-        return _guarded(lambda: _mcp(args))
+        return _mcp(args)
     if args.command == "serve":
-        return _guarded(lambda: _serve(args))
+        return _serve(args)
     if args.command == "dashboard":
-        return _guarded(lambda: _dashboard(args))
+        return _dashboard(args)
     operate = _OPS.get(args.command)
     if operate is not None:
-        return _guarded(lambda: _operate(operate, args))
-    return _guarded(lambda: _schema(args.command, args.url))
+        return _operate(operate, args)
+    return _schema(args.command, args.url)
 
 
-def _guarded(command: Callable[[], int]) -> int:
+class _InterruptedImport(Exception):
+    """Ctrl-C while a module was importing (exit 130, with where it was)."""
+
+
+def _guarded(command: Callable[[], int], secrets: Sequence[str] = ()) -> int:
     """Run a command, turning the errors a user can cause into a message and the
-    exit code of the module's table."""
+    exit code of the module's table; every message redacted of ``secrets``."""
+
+    def say(message: str) -> None:
+        print(f"belay: {redact(message, secrets)}", file=sys.stderr)
+
     try:
         return command()
     except (JobNotFound, NotFound) as exc:
-        print(f"belay: {exc}", file=sys.stderr)
+        say(describe(exc))
         return 3
     except NotRetryable as exc:
-        print(f"belay: {exc}", file=sys.stderr)
+        say(describe(exc))
         return 4
     # After the two above: ValidationError is a ValueError too, and every
     # BelayError not caught before means a database belay can't use.
     except (ValueError, ImportError, ConfigurationError) as exc:
-        print(f"belay: {exc}", file=sys.stderr)
+        say(describe(exc))
         return 2
     except BelayError as exc:
-        print(f"belay: {exc}", file=sys.stderr)
+        say(describe(exc))
         return 1
     except psycopg.OperationalError as exc:
-        print(f"belay: cannot connect to the database: {str(exc).strip()}", file=sys.stderr)
+        say(f"cannot connect to the database: {describe(exc).strip()}")
         return 1
     except psycopg.Error as exc:
-        print(f"belay: the database refused: {str(exc).strip()}", file=sys.stderr)
+        say(f"the database refused: {describe(exc).strip()}")
         return 1
+    except _InterruptedImport as exc:
+        say(describe(exc))
+        return 130
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -331,9 +363,104 @@ def _guarded(command: Callable[[], int]) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except OSError as exc:  # a --token-file or --encryption-key-file that can't be read
-        print(f"belay: {exc}", file=sys.stderr)
+    except OSError as exc:
+        say(describe(exc))
         return 2
+    except Exception as exc:
+        # A bug: keep the traceback for the report, without the password a
+        # wrapped psycopg error may quote.
+        text = "".join(traceback.format_exception(exc))
+        print(redact(text, secrets), end="", file=sys.stderr)
+        say(f"unexpected {type(exc).__name__}: that is a bug in belay, please report it "
+            "with the traceback above")
+        return 1
+
+
+def _redact_last_resort(secrets: Sequence[str]) -> None:
+    """Warnings logged with no logging configured (psycopg_pool's, say) go to
+    stderr as Python's last-resort handler would print them, redacted."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setLevel(logging.WARNING)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    redact_logging(secrets)
+
+
+_DAY = 86_400.0
+#: argument → (option, lowest, whether lowest itself is allowed, highest).
+_NUMBERS: dict[str, tuple[str, float, bool, float]] = {
+    "lease_ttl": ("--lease-ttl", 0.0, False, _DAY),
+    "session_ttl": ("--session-ttl", 0.0, False, _DAY),
+    "poll_interval": ("--poll-interval", 0.0, False, 3600.0),
+    "busy_poll": ("--busy-poll", 0.0, False, 3600.0),
+    "sweep_interval": ("--sweep-interval", 0.0, False, _DAY),
+    "shutdown_grace": ("--shutdown-grace", 0.0, True, _DAY),
+    "read_timeout": ("--read-timeout", 0.0, False, 3600.0),
+    "timeout": ("--timeout", 0.0, True, 366 * _DAY),
+    "port": ("--port", 0, True, 65535),
+    "metrics_port": ("--metrics-port", 0, True, 65535),
+}
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Refuse a number option that is inf, nan, out of range or absurd, naming
+    it, before anything is served (argparse's float takes 'inf' and 'nan')."""
+    for attribute, (option, low, low_ok, high) in _NUMBERS.items():
+        value = getattr(args, attribute, None)
+        if value is None:
+            continue
+        above = value >= low if low_ok else value > low
+        if not (math.isfinite(value) and above and value <= high):
+            if option.endswith("port"):
+                wanted = "a port number from 0 (any free port) to 65535"
+            else:
+                wanted = f"seconds {'>=' if low_ok else '>'} {low:g} and at most {high:.0f}"
+            raise ValidationError(f"{option} is {wanted}, got {value!r}")
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at file:line)`` of the innermost frame of ``exc`` outside the import
+    machinery, or of the faulty line of a SyntaxError."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" (at {exc.filename}:{exc.lineno})"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<frozen ")]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _import(module: str, option: str) -> None:
+    """Import ``module`` for ``option`` (``--import x``, ``--authorizer x:f``);
+    whatever it raises becomes a message naming the module, what it raised,
+    where, and the fix (exit 2) instead of a traceback."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except KeyboardInterrupt as exc:
+        raise _InterruptedImport(f"interrupted while importing {module!r}{_where(exc)}"
+                                 ) from None
+    except ModuleNotFoundError as exc:
+        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+            raise ConfigurationError(
+                f"{option}: no module named {exc.name!r}: check the spelling, and run belay "
+                "from the directory that holds it (or add that directory to PYTHONPATH)"
+            ) from None
+        raise ConfigurationError(_import_failed(module, option, exc)) from None
+    except SystemExit as exc:
+        raise ConfigurationError(
+            f"{option}: importing {module!r} called sys.exit({exc.code!r}){_where(exc)}: a "
+            "module belay imports must not exit; move that code under "
+            "'if __name__ == \"__main__\":'") from None
+    except BaseException as exc:
+        raise ConfigurationError(_import_failed(module, option, exc)) from None
+
+
+def _import_failed(module: str, option: str, exc: BaseException) -> str:
+    return (f"{option}: importing {module!r} raised {type(exc).__name__}: {describe(exc)}"
+            f"{_where(exc)}; fix the module so that 'python -c \"import {module}\"' "
+            "succeeds, then start belay again")
 
 
 def _schema(command: str, url: str) -> int:
@@ -353,6 +480,10 @@ def _schema(command: str, url: str) -> int:
         return 0
 
 
+#: The most jobs one node may run at once from one queue (one thread each).
+MAX_CONCURRENCY = 10_000
+
+
 def parse_queue_option(text: str) -> tuple[str, Any]:
     """``name``, ``name=N`` or ``name={json options}`` (see docs/queues.md)."""
     name, sep, value = text.partition("=")
@@ -364,25 +495,30 @@ def parse_queue_option(text: str) -> tuple[str, Any]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"--queue {text!r}: the options after '=' are not JSON: {exc}") \
                 from None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"--queue {text!r}: after '=' comes a whole number >= 1 or JSON "
-                         "options like {\"limit\": 10, \"global_limit\": 20}")
+    if not (value.isascii() and value.isdigit() and len(value) <= 6) \
+            or not 1 <= int(value) <= MAX_CONCURRENCY:
+        raise ValueError(f"--queue {text!r}: after '=' comes a whole number from 1 to "
+                         f"{MAX_CONCURRENCY} or JSON options like "
+                         "{\"limit\": 10, \"global_limit\": 20}")
     return name, int(value)
 
 
-def _worker(args: argparse.Namespace) -> int:
-    import importlib
-    import logging
-
+def _worker(args: argparse.Namespace, secrets: Sequence[str]) -> int:
     from belay.runner import Worker
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    level = logging.getLevelName(args.log_level.upper())
+    if not isinstance(level, int):
+        raise ValidationError(f"--log-level is DEBUG, INFO, WARNING, ERROR or CRITICAL, "
+                              f"got {args.log_level!r}")
+    logging.basicConfig(level=level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact_logging(secrets)
+    if not args.url:
+        raise ValidationError("no database URL: pass --url or set BELAY_DATABASE_URL")
     queues = dict(parse_queue_option(q) for q in args.queues) or {"default": 10}
     sys.path.insert(0, os.getcwd())
     for module in args.imports:
-        importlib.import_module(module)
+        _import(module, f"--import {module}")
     client = Belay(args.url, notify=args.notify, encryption_key=_encryption_key(args))
     worker = Worker(
         queues, client=client, notify=args.notify, lease_ttl=args.lease_ttl,
@@ -406,15 +542,19 @@ def _guard(args: argparse.Namespace) -> Any:
     from belay.ops import Guard, load_authorizer
 
     sys.path.insert(0, os.getcwd())
-    authorizer = load_authorizer(args.authorizer) if args.authorizer else None
+    authorizer = None
+    if args.authorizer:
+        module, sep, attr = args.authorizer.partition(":")
+        if sep and module and attr:
+            _import(module, f"--authorizer {args.authorizer}")
+        authorizer = load_authorizer(args.authorizer)
     return Guard(allow=getattr(args, "allow_mutations", False), authorizer=authorizer)
 
 
 def _encryption_key(args: argparse.Namespace) -> str | None:
     if args.encryption_key_file is None:
         return os.environ.get("BELAY_ENCRYPTION_KEY") or None
-    with open(args.encryption_key_file, encoding="utf-8") as fh:
-        key = fh.read().strip()
+    key = _read_file("--encryption-key-file", args.encryption_key_file)
     if not key:
         raise ConfigurationError(f"--encryption-key-file {args.encryption_key_file}: the file "
                                  "is empty")
@@ -425,13 +565,11 @@ def _replay(args: argparse.Namespace) -> int:
     """Exit 0 when the code retraced the record exactly, 5 when it diverged
     (blocked, raised, left journal entries unused, asked them in another order
     or returned another result), 3 when there is no such job."""
-    import importlib
-
     from belay import replay
 
     sys.path.insert(0, os.getcwd())
     for module in args.imports:
-        importlib.import_module(module)
+        _import(module, f"--import {module}")
     with Belay(args.url, encryption_key=_encryption_key(args)) as client:
         report = replay.dry_run(client, args.job_id)
     print(json.dumps(report.to_dict(), indent=2) if args.json else replay.format_report(report))
@@ -449,11 +587,19 @@ def _mcp(args: argparse.Namespace) -> int:
 def _read_token(path: str | None) -> str | None:
     if path is None:
         return None
-    with open(path, encoding="utf-8") as fh:
-        token = fh.read().strip()
+    token = _read_file("--token-file", path)
     if not token:
         raise ConfigurationError(f"--token-file {path}: the file is empty")
     return token
+
+
+def _read_file(option: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigurationError(f"{option} {path}: cannot read it: {reason}") from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -463,7 +609,7 @@ def _serve(args: argparse.Namespace) -> int:
                  tls_cert=args.tls_cert, tls_key=args.tls_key,
                  tls_client_ca=args.tls_client_ca, allowed_hosts=args.allowed_hosts,
                  workers=args.workers, session_ttl=args.session_ttl,
-                 lease_ttl=args.lease_ttl)
+                 lease_ttl=args.lease_ttl, read_timeout=args.read_timeout)
     return 0
 
 
@@ -471,7 +617,8 @@ def _dashboard(args: argparse.Namespace) -> int:
     from belay import dashboard
 
     dashboard.serve(args.url, host=args.host, port=args.port, guard=_guard(args),
-                    token=_read_token(args.token_file), allowed_hosts=args.allowed_hosts)
+                    token=_read_token(args.token_file), allowed_hosts=args.allowed_hosts,
+                    read_timeout=args.read_timeout)
     return 0
 
 

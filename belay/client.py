@@ -40,6 +40,7 @@ from belay.job import STATES, Event, Job, Step, WorkflowStatus
 from belay.notify import ResultListener
 from belay.queues import QueueSpec
 from belay.queues import parse_spec as parse_queue_spec
+from belay.redact import redact, secrets_of
 from belay.registry import DEFAULT_REGISTRY, Registry
 from belay.workflow import Workflow, member_errors
 
@@ -112,7 +113,9 @@ def normalize_url(url: str) -> str:
     try:
         pg_conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
-        raise ConfigurationError(f"invalid database URL: {exc}") from None
+        # psycopg quotes the URL, or a piece of it: never its password.
+        raise ConfigurationError(
+            f"invalid database URL: {redact(str(exc).strip(), secrets_of(url))}") from None
     return url
 
 

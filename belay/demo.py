@@ -21,6 +21,7 @@ from belay.embedded import embedded_server
 from belay.enqueue import JobSpec, Unique
 from belay.errors import JobCancelled, JobFailed
 from belay.outcome import Cancel, Snooze
+from belay.redact import redact, secrets_of
 from belay.registry import Registry, worker
 from belay.runner import JobEnd, Worker
 
@@ -36,7 +37,7 @@ def run(url: str | None = None, say: Say = print) -> None:
                 "Pass --url to keep it in your own database.")
     else:
         _tour(url, say)
-        say(f"the data is in {url}: look at the belay_jobs table.")
+        say(f"the data is in {redact(url, secrets_of(url))}: look at the belay_jobs table.")
 
 
 def _workers(registry: Registry) -> None:

@@ -43,6 +43,21 @@ def test_bad_urls_are_refused_with_a_clear_message(url, message):
         belay.Belay(url)
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://u:SECRET@[::1/x", 'in URI: "postgresql://u:***@[::1/x"'),
+        ("postgresql://u:SECRET%ZZ@localhost/app", 'invalid percent-encoded token: "***"'),
+        ("postgresql://u@localhost/app?password=SECRET%ZZ", 'token: "***"'),
+    ],
+)
+def test_a_bad_url_is_refused_without_its_password(url, shown):
+    with pytest.raises(ConfigurationError) as info:
+        belay.Belay(url)
+    assert "SECRET" not in str(info.value)
+    assert str(info.value).endswith(shown)
+
+
 def test_bad_pool_sizes_are_refused():
     with pytest.raises(ConfigurationError, match="pool sizes"):
         belay.Belay("postgresql://localhost/app", min_pool_size=5, max_pool_size=2)

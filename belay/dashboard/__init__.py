@@ -8,6 +8,7 @@ a token or an authorizer is configured; see docs/operations.md.
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import threading
@@ -38,11 +39,13 @@ def make_app(client: Belay, *, guard: Guard | None = None, token: str | None = N
 
 def serve(url: str, *, host: str = "127.0.0.1", port: int = 8766, guard: Guard | None = None,
           token: str | None = None, threads: int = 8,
-          allowed_hosts: Collection[str] = ()) -> None:
+          allowed_hosts: Collection[str] = (), read_timeout: float = 30.0) -> None:
     """Serve the dashboard of the database at ``url`` under waitress until
     interrupted (Ctrl-C or SIGTERM). Port 0 picks a free port; the line printed
     first says which URL it serves. On a loopback address it answers to the
-    loopback names and ``allowed_hosts`` (the name a reverse proxy forwards)."""
+    loopback names and ``allowed_hosts`` (the name a reverse proxy forwards).
+    A connection whose request stalls ``read_timeout`` seconds (whole seconds:
+    waitress's ``channel_timeout``) is closed."""
     try:
         from waitress import create_server
     except ImportError:
@@ -55,8 +58,13 @@ def serve(url: str, *, host: str = "127.0.0.1", port: int = 8766, guard: Guard |
                        allowed_hosts=(LOOPBACK_NAMES | {host} | {h.lower() for h in allowed_hosts}
                                       if loopback else None))
         try:
+            # channel_timeout closes a connection idle that long with no whole
+            # request read (a body held open half sent); cleanup_interval is how
+            # often waitress looks.
             server: Any = create_server(app, host=host, port=port, threads=threads,
-                                        ident="belay", clear_untrusted_proxy_headers=True)
+                                        ident="belay", clear_untrusted_proxy_headers=True,
+                                        channel_timeout=max(1, math.ceil(read_timeout)),
+                                        cleanup_interval=1)
         except OSError as exc:
             raise ConfigurationError(
                 f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another "
