@@ -8,22 +8,30 @@ value without running, ``emit`` and ``debit`` are recorded but inert, and
 anything the record does not hold stops the run as "blocked". Nothing is
 written, no attempt is used, no lease is touched, so it is safe against a job
 in any state, running ones included. Code outside steps runs for real, as it
-does on every attempt of the job.
+does on every attempt of the job; every session reachable through ``ctx`` logs
+in as a role with no write privilege (:func:`_reader`), so the server refuses
+its writes even once the code leaves the read-only transaction.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import secrets
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar, cast
 
 import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from psycopg.pq import TransactionStatus
 
 from belay import names, schema, store
 from belay.codec import decode_value, dumps_object, encode_value
@@ -33,11 +41,14 @@ from belay.enqueue import JobSpec
 from belay.errors import ConfigurationError, JobNotFound, ValidationError
 from belay.job import Job, Step
 from belay.ops import jsonable
-from belay.outcome import error_entry
+from belay.outcome import describe, error_entry, type_name
+from belay.sql import QUERIES
 
 if TYPE_CHECKING:
     from belay.client import Belay
     from belay.registry import Registry, WorkerDef
+
+log = logging.getLogger("belay.replay")
 
 T = TypeVar("T")
 _PACKAGE: Final = Path(__file__).resolve().parent
@@ -161,12 +172,107 @@ class _Snapshot:
 @contextmanager
 def _snapshot(conninfo: str) -> Iterator[_Snapshot]:
     with psycopg.connect(conninfo, autocommit=True, application_name="belay-replay") as conn:
+        refuse_writers(conn)
         # Even a transaction the code might start on its own is read-only.
-        conn.execute("SET default_transaction_read_only = on")
+        conn.execute(QUERIES["replay_read_only"])
         conn.read_only = True
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        with conn.transaction(force_rollback=True):
-            yield _Snapshot(conn)
+        try:
+            with conn.transaction(force_rollback=True):
+                yield _Snapshot(conn)
+        except psycopg.Error:
+            # The code ended the snapshot's transaction itself (COMMIT …): the
+            # rollback finds none. Its writes were refused all the same.
+            if conn.info.transaction_status == TransactionStatus.UNKNOWN:
+                raise
+
+
+# -- A session that can't write -----------------------------------------------------------
+
+#: How long a replay's own role may log in, should the replay die before dropping it.
+ROLE_LIFETIME = timedelta(hours=1)
+
+
+def write_access(conn: Conn) -> list[str]:
+    """What the session's login role (or a role it may ``SET ROLE`` to) could
+    change; empty when the server refuses every change to existing rows."""
+    return [row[0] for row in conn.execute(QUERIES["replay_write_access"]).fetchall()]
+
+
+def refuse_writers(conn: Conn) -> None:
+    """Raise :class:`ConfigurationError` unless ``conn``'s session can't write."""
+    access = write_access(conn)
+    if access:
+        raise ConfigurationError(
+            f"belay replay needs a database role that can't write, and "
+            f"{conn.info.user!r} can ({'; '.join(access)}). Replayed code runs for real "
+            "and could leave a read-only transaction (COMMIT, RESET ROLE …); only the "
+            "privileges of the role it logged in as hold. Replay with the URL of a role "
+            "that may only read (CREATE ROLE belay_replay LOGIN PASSWORD '…'; GRANT "
+            "pg_read_all_data TO belay_replay;), or with a role allowed to create roles "
+            "(belay then makes a read-only one for the replay). See docs/operations.md, "
+            "Replay debugging."
+        )
+
+
+@contextmanager
+def _reader(conninfo: str) -> Iterator[str]:
+    """A conninfo whose role can't write: ``conninfo`` itself when its role
+    already can't, else a login role made for this replay (when the connecting
+    role may create roles) and dropped after it; else :class:`ConfigurationError`."""
+    with psycopg.connect(conninfo, autocommit=True, application_name="belay-replay") as admin:
+        if not write_access(admin):
+            yield conninfo
+            return
+        row = admin.execute(QUERIES["replay_may_create_role"]).fetchone()
+        if not (row and row[0]):
+            refuse_writers(admin)
+        role = f"belay_replay_{secrets.token_hex(6)}"
+        password = secrets.token_urlsafe(24)
+        # The server's wall clock judges VALID UNTIL, not the client's (injected) one.
+        until = (datetime.now(timezone.utc) + ROLE_LIFETIME).isoformat()
+        names_ = {"role": sql.Identifier(role)}
+        try:
+            with admin.transaction():
+                row = admin.execute(QUERIES["replay_role_create"], {
+                    "role": role, "password": password, "until": until}).fetchone()
+                assert row is not None
+                admin.execute(str(row[0]).encode())  # quoted by the server's format()
+                try:
+                    with admin.transaction():
+                        admin.execute(sql.SQL(QUERIES["replay_role_read_all"]).format(**names_))
+                except psycopg.Error:  # before 14, or not ours to grant: belay's schema only
+                    found = admin.execute(QUERIES["replay_belay_schema"]).fetchone()
+                    schema_name = sql.Identifier(found[0] if found else "public")
+                    for name in ("replay_role_read_schema", "replay_role_read_tables"):
+                        admin.execute(sql.SQL(QUERIES[name]).format(schema=schema_name, **names_))
+            reader = make_conninfo(conninfo, user=role, password=password)
+            try:
+                psycopg.connect(reader, application_name="belay-replay").close()
+            except psycopg.OperationalError as exc:
+                raise ConfigurationError(
+                    f"belay made the read-only role {role} for this replay but could not log "
+                    f"in as it ({str(exc).strip()}): pg_hba.conf must let it log in with a "
+                    "password, or replay with the URL of a role that may only read (see "
+                    "docs/operations.md, Replay debugging)"
+                ) from None
+            yield reader
+        finally:
+            _drop_role(admin, role)
+
+
+def _drop_role(admin: Conn, role: str) -> None:
+    names_ = {"role": sql.Identifier(role)}
+    try:
+        with contextlib.suppress(psycopg.Error):
+            admin.execute(QUERIES["replay_role_sessions_end"], {"role": role})
+        with admin.transaction():
+            admin.execute(sql.SQL(QUERIES["replay_role_revoke"]).format(**names_))
+            admin.execute(sql.SQL(QUERIES["replay_role_drop"]).format(**names_))
+    except psycopg.Error:
+        log.warning("belay: could not drop the replay's role %s (it can't log in after %s); "
+                    "drop it with DROP OWNED BY %s; DROP ROLE %s", role,
+                    ROLE_LIFETIME, role, role, exc_info=True)
 
 
 class ReadOnlyClient:
@@ -379,7 +485,8 @@ def dry_run(client: Belay, job_id: int, *, registry: Registry | None = None) -> 
     if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 1:
         raise ValidationError(f"a job id is an integer >= 1, got {job_id!r}")
     registry = registry if registry is not None else client.registry
-    with _snapshot(client.conninfo) as snap:
+    with (_reader(client.conninfo) as conninfo, _reading_client(client, conninfo) as reader,
+          _snapshot(conninfo) as snap):
         with snap.reading() as conn:
             schema.check(conn)
             job = store.get_job(conn, job_id)
@@ -395,9 +502,25 @@ def dry_run(client: Belay, job_id: int, *, registry: Registry | None = None) -> 
                 "(belay replay --import MODULE; in Python, import it or pass registry=)"
             )
         job = _decrypted(job, client)
-        ctx = ReplayContext(job, definition, client, registry, journal, snap)
+        # The code sees only the reading client: its conninfo, its pool and
+        # the snapshot all log in as the role that can't write.
+        ctx = ReplayContext(job, definition, reader, registry, journal, snap)
         returned, raised = _call(definition, ctx)
     return _report(job, journal, ctx, returned, raised)
+
+
+@contextmanager
+def _reading_client(client: Belay, conninfo: str) -> Iterator[Belay]:
+    """``client``'s clock, registry and key on ``conninfo`` (the role that can't write)."""
+    from belay.client import Belay
+
+    reader = Belay(conninfo, clock=client.clock, notify=False, min_pool_size=0,
+                   max_pool_size=2, application_name="belay-replay",
+                   registry=client.registry, encryption_key=client.encryption_key)
+    try:
+        yield reader
+    finally:
+        reader.close()
 
 
 def _decrypted(job: Job, client: Belay) -> Job:
@@ -474,10 +597,17 @@ def _error(exc: BaseException, job: Job) -> dict[str, Any]:
     described = error_entry(exc, job.attempt)["error"]
     last = job.errors[-1] if job.errors else None
     recorded = last.get("error") if isinstance(last, Mapping) else None
+    name = type_name(exc)
+    # describe(): the code's exception may not survive str() (as in a worker).
+    text = describe(exc)
+    try:
+        trace = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc)))
+    except BaseException:  # user code (a loader's get_source …): the worker's fallback
+        trace = error_entry(exc, job.attempt).get("traceback", "")
     return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, _user_frames(exc))),
+        "type": name,
+        "message": "" if text == name else text.removeprefix(f"{name}: "),
+        "traceback": trace,
         "recorded": recorded,
         "matches_recorded": None if not isinstance(recorded, str) else recorded == described,
     }

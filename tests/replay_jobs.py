@@ -241,3 +241,71 @@ def secret(ctx: belay.Context) -> str:
 def chunky(contexts: list[belay.Context]) -> dict[int, Any]:
     return {c.id: c.step("double", counted("double", lambda c=c: c.input["n"] * 2))
             for c in contexts}
+
+
+# -- Code that tries to write past the replay's read-only session (issue 19) -----------
+
+#: The row the escapes try to delete (set by the test), and what the code saw.
+ESCAPE: dict[str, Any] = {"victim": 0, "user": None}
+
+
+def _owner(conn: Any) -> str:
+    row = conn.execute("SELECT tableowner FROM pg_tables WHERE tablename = 'belay_jobs'"
+                       ).fetchone()
+    return str(row[0])
+
+
+def _escape_sql(how: str, conn: Any) -> str:
+    delete = f"DELETE FROM belay_jobs WHERE id = {int(ESCAPE['victim'])}"
+    owner = _owner(conn) if how in ("set role", "session authorization", "set_config") else ""
+    return {
+        # The exact escape of the review.
+        "commit": "COMMIT; SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE; "
+                  f"SET default_transaction_read_only=off; BEGIN READ WRITE; {delete}; COMMIT",
+        "reset role": "COMMIT; RESET ROLE; SET default_transaction_read_only=off; "
+                      f"BEGIN READ WRITE; {delete}; COMMIT",
+        "set role": f'COMMIT; SET ROLE "{owner}"; SET default_transaction_read_only=off; '
+                    f"BEGIN READ WRITE; {delete}; COMMIT",
+        "session authorization": f'COMMIT; SET SESSION AUTHORIZATION "{owner}"; '
+                                 f"SET default_transaction_read_only=off; BEGIN READ WRITE; "
+                                 f"{delete}; COMMIT",
+        "reset all": f"COMMIT; RESET ALL; BEGIN READ WRITE; {delete}; COMMIT",
+        "set_config": f"COMMIT; SELECT set_config('role', '{owner}', false), "
+                      f"set_config('default_transaction_read_only', 'off', false); {delete}",
+        "do block": "COMMIT; SET default_transaction_read_only=off; BEGIN READ WRITE; "
+                    f"DO $$ BEGIN {delete}; END $$; COMMIT",
+    }[how]
+
+
+def escapes(how: str) -> belay.Registry:
+    """A registry whose ``replay.pipeline`` tries to delete ``ESCAPE["victim"]``."""
+
+    def body(ctx: belay.Context) -> Any:
+        ctx.step("fetch", counted("fetch", lambda: None))
+        if how == "pool":  # a connection of its own from the client's pool
+            with ctx.client._client.connection() as conn:  # type: ignore[attr-defined]
+                conn.execute(f"DELETE FROM belay_jobs WHERE id = {int(ESCAPE['victim'])}")
+            return "escaped"
+        if how == "own connection":
+            import psycopg
+
+            with psycopg.connect(ctx.client.conninfo, autocommit=True) as conn:
+                conn.execute("SET default_transaction_read_only = off")
+                conn.execute(f"DELETE FROM belay_jobs WHERE id = {int(ESCAPE['victim'])}")
+            return "escaped"
+        with ctx.client.connection() as conn:
+            ESCAPE["user"] = conn.execute("SELECT session_user").fetchone()[0]
+            if how == "autocommit":
+                conn.execute("COMMIT")
+                conn.autocommit = True
+                conn.execute("SET default_transaction_read_only = off")
+                conn.execute(f"DELETE FROM belay_jobs WHERE id = {int(ESCAPE['victim'])}")
+            else:
+                conn.execute(_escape_sql(how, conn))
+        return "escaped"
+
+    return pipeline_with(body)
+
+
+ESCAPES = ("commit", "reset role", "set role", "session authorization", "reset all",
+           "set_config", "do block", "autocommit", "pool", "own connection")

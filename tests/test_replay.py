@@ -347,6 +347,78 @@ def test_replays_write_nothing_whatever_the_code_does(client, sql_conn):
     assert jobs.CALLS == {"fetch": 1, "parse": 1, "summarize": 1}  # the recording's only
 
 
+# -- The server refuses the code's writes, whatever SQL it sends (issue 19) ----------------
+
+
+def role_exists(conn: psycopg.Connection[Any], role: str) -> bool:
+    return conn.execute("SELECT count(*) FROM pg_roles WHERE rolname = %s", (role,)
+                        ).fetchone() == (1,)
+
+
+@pytest.mark.parametrize("how", jobs.ESCAPES)
+def test_code_that_leaves_the_read_only_transaction_still_cannot_write(client, sql_conn, how):
+    """The connecting role (a superuser here) may write: the replay runs as a
+    login role made for it, with no write privilege, dropped afterwards. So
+    COMMIT, RESET ROLE, SET ROLE, SET SESSION AUTHORIZATION, RESET ALL,
+    set_config(), DO, autocommit, the client's pool and a connection of the
+    code's own on ctx.client.conninfo all end in a refused write."""
+    job = record(client, jobs.PIPELINE, jobs.PIPELINE_INPUT)
+    victim = client.enqueue(jobs.KID, {"n": 1})
+    jobs.ESCAPE.update(victim=victim.id, user=None)
+    before = world(sql_conn)
+
+    report = replay.dry_run(client, job.id, registry=jobs.escapes(how))
+
+    assert report.outcome == "raised", report.to_dict()
+    assert client.get_job(victim.id) is not None
+    assert world(sql_conn) == before
+    assert report.error is not None
+    # Refused by the role's privileges, not by the (escaped) read-only transaction.
+    assert report.error["type"] == "InsufficientPrivilege", report.error
+    seen = jobs.ESCAPE["user"]
+    if seen is not None:  # the replay's own role, gone once the replay ended
+        assert seen.startswith("belay_replay_") and not role_exists(sql_conn, seen)
+
+
+@pytest.fixture
+def login_role(sql_conn, db_url):
+    """A login role of this test's own (trust auth on the test server), dropped after."""
+    role = f"belay_t_role_{os.getpid()}"
+    sql_conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+    sql_conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    try:
+        yield role
+    finally:
+        sql_conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        sql_conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_a_role_that_can_write_and_cannot_make_one_is_refused_clearly(client, sql_conn,
+                                                                      db_url, clock,
+                                                                      login_role):
+    job = record(client, jobs.PIPELINE, jobs.PIPELINE_INPUT)
+    role = sql.Identifier(login_role)
+    sql_conn.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA public TO {}").format(role))
+    sql_conn.execute(sql.SQL("GRANT DELETE ON belay_events TO {}").format(role))
+    url = psycopg.conninfo.make_conninfo(db_url, user=login_role)
+    with belay.Belay(url, clock=clock) as writer:
+        with pytest.raises(belay.ConfigurationError) as refused:
+            replay.dry_run(writer, job.id)
+        message = str(refused.value)
+        assert f"{login_role} may write to belay_events" in message
+        assert "pg_read_all_data" in message and "docs/operations.md" in message
+
+        # The same role with reads only: replayed as it is, no role made.
+        sql_conn.execute(sql.SQL("REVOKE DELETE ON belay_events FROM {}").format(role))
+        jobs.ESCAPE.update(victim=job.id, user=None)
+        report = replay.dry_run(writer, job.id, registry=jobs.escapes("commit"))
+        assert jobs.ESCAPE["user"] == login_role
+        assert report.outcome == "raised" and report.error is not None
+        assert report.error["type"] == "InsufficientPrivilege"
+        assert replay.dry_run(writer, job.id).outcome == "ok"
+    assert client.get_job(job.id) is not None
+
+
 # -- Inputs, kinds, ids -------------------------------------------------------------------
 
 
