@@ -170,11 +170,46 @@ def test_serve_lease_ttl_inf_is_refused_by_the_library_too() -> None:
 
 @pytest.fixture
 def certs(tmp_path: Path) -> dict[str, Path]:
-    from tests.test_http_producer import _certs
+    """A CA, a server certificate it signs and its key, another key, and junk."""
+    import datetime as dt
 
-    files = _certs(tmp_path)
-    (tmp_path / "junk.pem").write_text("not a certificate\n")
-    return {**files, "junk.pem": tmp_path / "junk.pem"}
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str,
+                    signer: ec.EllipticCurvePrivateKey, ca: bool) -> bytes:
+        cert = (x509.CertificateBuilder().subject_name(name(subject))
+                .issuer_name(name(issuer)).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(minutes=5))
+                .not_valid_after(now + dt.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+                .sign(signer, hashes.SHA256()))
+        return cert.public_bytes(serialization.Encoding.PEM)
+
+    def pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    ca_key, server_key, other_key = (ec.generate_private_key(ec.SECP256R1())
+                                     for _ in range(3))
+    files = {
+        "ca.crt": certificate("test CA", ca_key, "test CA", ca_key, ca=True),
+        "server.crt": certificate("localhost", server_key, "test CA", ca_key, ca=False),
+        "server.key": pem(server_key),
+        "client.key": pem(other_key),
+        "junk.pem": b"not a certificate\n",
+    }
+    for file, data in files.items():
+        (tmp_path / file).write_bytes(data)
+    return {file: tmp_path / file for file in files}
 
 
 TLS_CASES = {
@@ -420,3 +455,10 @@ def test_only_time_spent_waiting_for_the_body_counts() -> None:
     sent, read = asyncio.run(run(body_arrives=False))
     assert read == ["http.disconnect"] and sent[0]["status"] == 408
     assert (b"connection", b"close") in sent[0]["headers"]  # type: ignore[operator]
+
+
+def test_good_tls_files_pass_the_startup_check(certs: dict[str, Path]) -> None:
+    from belay.http.server import check_tls
+
+    assert check_tls("127.0.0.1", str(certs["server.crt"]), str(certs["server.key"]),
+                     str(certs["ca.crt"])) is True
