@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Union
 
 from belay import names, store
 from belay.codec import decode_value, dumps_object, encode_value
-from belay.enqueue import JobSpec, usd_to_micros
+from belay.enqueue import JobSpec, check_seconds, usd_to_micros
 from belay.errors import ConfigurationError, ValidationError
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ def describe(exc: BaseException) -> str:
 def _check_step_name(name: object) -> None:
     if not isinstance(name, str) or not name or "\x00" in name:
         raise ValidationError(f"a step name is a non-empty string without NUL, got {name!r}")
+    names.check_text(name, "a step name", max_bytes=names.MAX_KEY_BYTES, empty=True)
     if name.startswith(names.RESERVED_PREFIX):
         raise ValidationError(f"step names starting with '$' are reserved for belay: {name!r}")
 
@@ -459,10 +460,11 @@ class Context:
         """
         if not isinstance(name, str) or not name:
             raise ValidationError(f"a signal name is a non-empty string, got {name!r}")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
-        ):
-            raise ValidationError(f"timeout must be seconds >= 0 or None, got {timeout!r}")
+        names.check_text(name, "a signal name", empty=True)
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise ValidationError(f"timeout must be seconds >= 0 or None, got {timeout!r}")
+            check_seconds("await_signal timeout", timeout)
         if self._in_step:
             raise ValidationError("await_signal can't run inside a step")
         self.checkpoint()
@@ -484,6 +486,8 @@ class Context:
         snoozes until then without holding a thread, and continues after it."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
             raise ValidationError(f"sleep takes seconds >= 0, got {seconds!r}")
+        check_seconds("sleep", seconds)
+        names.check_text(name, "a sleep name", max_bytes=names.MAX_KEY_BYTES)
         now = self.client.clock.now()
         target = self._step(
             f"$sleep:{name}", lambda: (now + timedelta(seconds=seconds)).isoformat(), None

@@ -242,3 +242,27 @@ def test_debit_refuses_bad_arguments(client, registry, args, message):
     job = client.enqueue("t.bad_debit", max_attempts=1)
     assert run(client, registry) == {"failed": 1}
     assert message in client.get_job(job.id).errors[-1]["error"]
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda ctx: ctx.sleep("nap", 1e20), "sleep must be at most"),
+        (lambda ctx: ctx.sleep("nap", timedelta.max.total_seconds()), "100 years"),
+        (lambda ctx: ctx.sleep("nap\x00", 5), "NUL"),
+        (lambda ctx: ctx.await_signal("go", timeout=1e20), "await_signal timeout"),
+        (lambda ctx: ctx.await_signal("go\ud800"), "lone surrogate"),
+        (lambda ctx: ctx.step("s\udfff", lambda: 1), "lone surrogate"),
+    ],
+)
+def test_out_of_range_waits_and_bad_names_in_a_job_fail_it_with_a_validation_error(
+        client, registry, sql_conn, call, words):
+    @belay.worker(name="t.bad_wait", registry=registry)
+    def bad_wait(ctx: belay.Context) -> None:
+        call(ctx)
+
+    job = client.enqueue("t.bad_wait", max_attempts=1)
+    assert run(client, registry) == {"failed": 1}
+    error = client.get_job(job.id).errors[-1]
+    assert "ValidationError" in error["error"] and words in error["error"], error
+    assert sql_conn.execute("SELECT count(*) FROM belay_steps").fetchone() == (0,)
