@@ -37,6 +37,7 @@ from psycopg_pool import ConnectionPool
 from belay.client import Belay, normalize_url
 from belay.context import Context, Cost, Park, StepValueRefused, current_context
 from belay.errors import ConfigurationError, ValidationError
+from belay.outcome import describe
 from belay.sql import QUERIES
 
 try:
@@ -483,8 +484,8 @@ class BelayMiddleware(AgentMiddleware):
             return float(self.price(message))
         except Exception as exc:
             raise ConfigurationError(
-                f"BelayMiddleware(price=...) failed on a model answer: {type(exc).__name__}: "
-                f"{exc}; price gets the AIMessage (usage in message.usage_metadata, which a "
+                f"BelayMiddleware(price=...) failed on a model answer: {describe(exc)}; "
+                "price gets the AIMessage (usage in message.usage_metadata, which a "
                 "provider may leave None) and returns its dollars as a float"
             ) from exc
 

@@ -79,6 +79,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from belay.context import TIMEOUT, Context, Cost, current_context
 from belay.errors import ConfigurationError
+from belay.outcome import describe
 
 __all__ = ["BelayDurability", "request_input", "run_agent", "run_agent_job"]
 
@@ -175,7 +176,7 @@ def _response_cost(price: Price) -> Callable[[Any], Cost]:
         except Exception as exc:
             raise ConfigurationError(
                 f"BelayDurability(price=...) failed on a response of {response.model_name!r}: "
-                f"{type(exc).__name__}: {exc}; price gets the ModelResponse and returns its "
+                f"{describe(exc)}; price gets the ModelResponse and returns its "
                 "dollars (a float or Decimal) or None"
             ) from exc
         return Cost(usd=usd, tokens=response.usage.total_tokens)
