@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
 
     replay = with_url("replay", "re-run a job's worker code against its recorded journal, "
                                 "with no side effects, and show where the code diverges")
-    replay.add_argument("job_id", type=int)
+    replay.add_argument("job_id", type=_job_id_arg)
     replay.add_argument("--import", dest="imports", action="append", default=[],
                         metavar="MODULE", help="import MODULE to register the job's worker")
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -199,17 +199,17 @@ def _ops_parsers(commands: Any) -> None:
     jobs.add_argument("--state", choices=STATES)
     jobs.add_argument("--kind")
     jobs.add_argument("--workflow", metavar="WORKFLOW_ID")
-    jobs.add_argument("--parent", type=int, metavar="JOB_ID")
-    jobs.add_argument("--before", type=int, metavar="JOB_ID",
+    jobs.add_argument("--parent", type=_job_id_arg, metavar="JOB_ID")
+    jobs.add_argument("--before", type=_job_id_arg, metavar="JOB_ID",
                       help="only jobs with a smaller id (the next page)")
     jobs.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
 
     job = op(commands, "job", "one job: its row, step journal with costs, events, errors, "
                               "children and workflow")
-    job.add_argument("job_id", type=int)
+    job.add_argument("job_id", type=_job_id_arg)
 
     events = op(commands, "events", "a job's events (one JSON line each with --json)")
-    events.add_argument("job_id", type=int)
+    events.add_argument("job_id", type=_job_id_arg)
     events.add_argument("--after", type=int, default=0, metavar="SEQ",
                         help="only events after this sequence number")
     events.add_argument("--follow", action="store_true",
@@ -218,16 +218,16 @@ def _ops_parsers(commands: Any) -> None:
                         help="with --follow: stop after this long")
 
     op(commands, "retry", "run a failed or cancelled job again").add_argument(
-        "job_id", type=int)
+        "job_id", type=_job_id_arg)
     op(commands, "cancel", "cancel a job (a running one stops at its next step)"
-       ).add_argument("job_id", type=int)
+       ).add_argument("job_id", type=_job_id_arg)
     signal = op(commands, "signal", "deliver a signal to a job (its await_signal gets it)")
-    signal.add_argument("job_id", type=int)
+    signal.add_argument("job_id", type=_job_id_arg)
     signal.add_argument("name")
     signal.add_argument("payload", nargs="?", default="{}", metavar="JSON",
                         help="a JSON object (default {})")
     steer = op(commands, "steer", "leave steering guidance a job reads with ctx.steering()")
-    steer.add_argument("job_id", type=int)
+    steer.add_argument("job_id", type=_job_id_arg)
     steer.add_argument("payload", metavar="JSON", help='a JSON object like '
                                                        '\'{"instruction": "be brief"}\'')
 
@@ -276,6 +276,17 @@ def _ops_parsers(commands: Any) -> None:
     prune.add_argument("--signal-ttl", type=_keep, default=DEFAULT_SIGNAL_TTL,
                        metavar="SECONDS", help="keep delivered signals this long, or "
                                                f"'forever' (default {DEFAULT_SIGNAL_TTL:g})")
+
+
+def _job_id_arg(text: str) -> int:
+    """A job id as PostgreSQL's bigint holds it: 1 to 2**63 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a job id (a whole number)") from None
+    if not 1 <= value <= 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a job id (1 to {2**63 - 1})")
+    return value
 
 
 def _keep(text: str) -> float | None:

@@ -652,12 +652,13 @@ def check_debit(resource: object, units: object, period: object) -> None:
     """Refuse the arguments of a ``ctx.debit`` that could not be recorded."""
     if not isinstance(resource, str) or not resource:
         raise ValidationError(f"a resource is a non-empty string, got {resource!r}")
-    if isinstance(units, bool) or not isinstance(units, int) or units < 0:
-        raise ValidationError(f"units must be an integer >= 0, got {units!r}")
+    names.check_text(resource, "a resource")
+    if isinstance(units, bool) or not isinstance(units, int) or not 0 <= units <= 2**63 - 1:
+        raise ValidationError(f"units must be an integer from 0 to 2**63 - 1, got {units!r}")
     if period is not None and (
-        isinstance(period, bool) or not isinstance(period, int) or period < 1
+        isinstance(period, bool) or not isinstance(period, int) or not 1 <= period <= 2**31 - 1
     ):
-        raise ValidationError(f"period must be whole seconds >= 1, got {period!r}")
+        raise ValidationError(f"period must be whole seconds from 1 to 2**31 - 1, got {period!r}")
 
 
 def cost_units(cost: Cost | Mapping[str, Any] | None) -> tuple[int, int]:

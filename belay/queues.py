@@ -97,10 +97,20 @@ class QueueSpec:
         return opts
 
 
-def _whole(queue: str, label: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+
+
+def _whole(queue: str, label: str, value: Any, *, minimum: int,
+           maximum: int = _INT32_MAX) -> int:
+    """A whole number in ``minimum..maximum``: the columns and casts that read
+    these options are 32-bit (rates 64-bit), and a stored option a worker can't
+    cast would break every claim on the queue."""
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or not minimum <= value <= maximum):
         raise ConfigurationError(
-            f"queue {queue!r}: {label} is a whole number >= {minimum}, got {value!r}"
+            f"queue {queue!r}: {label} is a whole number from {minimum} to {maximum}, "
+            f"got {value!r}"
         )
     return value
 
@@ -169,13 +179,17 @@ def _parse_rate(queue: str, rate: Any) -> Rate | None:
             f"queue {queue!r}: rate takes allowed and period (required), resource and "
             f"estimate; got {dict(rate)!r}"
         )
-    allowed = _whole(queue, "rate allowed", rate["allowed"], minimum=1)
+    allowed = _whole(queue, "rate allowed", rate["allowed"], minimum=1, maximum=_INT64_MAX)
     period = _whole(queue, "rate period (seconds)", rate["period"], minimum=1)
-    estimate = _whole(queue, "rate estimate", rate.get("estimate", 1), minimum=1)
+    estimate = _whole(queue, "rate estimate", rate.get("estimate", 1), minimum=1,
+                      maximum=_INT64_MAX)
     resource = rate.get("resource")
-    if resource is not None and (not isinstance(resource, str) or not resource):
+    if resource is not None and (not isinstance(resource, str) or not resource
+                                 or names.text_problem(resource) is not None
+                                 or len(resource.encode()) > names.MAX_NAME_BYTES):
         raise ConfigurationError(
-            f"queue {queue!r}: rate resource is a non-empty string, got {resource!r}"
+            f"queue {queue!r}: rate resource is a non-empty string of at most "
+            f"{names.MAX_NAME_BYTES} bytes without NUL or lone surrogates, got {resource!r}"
         )
     if estimate > allowed:
         raise ConfigurationError(

@@ -156,6 +156,21 @@ def test_a_queue_concurrency_out_of_range_is_refused(
     assert "a whole number from 1 to 10000" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [
+    ["job", "99999999999999999999"], ["job", "0"], ["job", "²"], ["retry", "-1"],
+    ["cancel", "9223372036854775808"], ["events", "99999999999999999999"],
+    ["signal", "1e3", "go"], ["jobs", "--parent", "99999999999999999999"],
+    ["jobs", "--before", "0"], ["replay", "99999999999999999999"],
+])
+def test_a_job_id_out_of_bigint_range_is_a_usage_error(
+    workdir: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--url", NOWHERE])
+    assert exit_.value.code == 2
+    assert "is not a job id" in capsys.readouterr().err
+
+
 def test_serve_lease_ttl_inf_is_refused_by_the_library_too() -> None:
     from belay.errors import ConfigurationError
     from belay.http.server import serve

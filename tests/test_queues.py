@@ -53,14 +53,18 @@ def test_options_round_trip_through_the_row_shape() -> None:
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    (0, "the limit is a whole number >= 1"),
+    (0, "the limit is a whole number from 1 to"),
     (True, "give a limit"),
     ("5", "give a limit"),
-    ({"limit": 0}, "the limit is a whole number >= 1"),
+    ({"limit": 0}, "the limit is a whole number from 1 to"),
     ({"limt": 3}, "unknown option(s) 'limt'"),
     ({"limit": {"min": 5, "max": 2}}, "min <= max"),
     ({"limit": {"min": 1}}, "an adaptive limit is"),
-    ({"global_limit": 0}, "global_limit is a whole number >= 1"),
+    ({"global_limit": 0}, "global_limit is a whole number from 1 to"),
+    ({"global_limit": 10**20}, "global_limit is a whole number from 1 to 2147483647"),
+    (2**31, "the limit is a whole number from 1 to 2147483647"),
+    ({"rate": {"allowed": 2**63, "period": 5}}, "rate allowed is a whole number"),
+    ({"rate": {"allowed": 10, "period": 5, "resource": "r\x00"}}, "without NUL"),
     ({"rate": 5}, "rate is a dict"),
     ({"rate": {"allowed": 10}}, "rate takes allowed and period"),
     ({"rate": {"allowed": 10, "period": 0}}, "rate period"),

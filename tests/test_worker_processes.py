@@ -495,7 +495,7 @@ def unused_port() -> int:
 
 @pytest.mark.parametrize(("spec", "message"), [
     ('q={"limit": 2,', "the options after '=' are not JSON"),
-    ('q={"limit": 0}', "queue 'q': the limit is a whole number >= 1"),
+    ('q={"limit": 0}', "queue 'q': the limit is a whole number from 1 to"),
     ('q={"global_limt": 3}', "unknown option(s) 'global_limt'"),
 ])
 def test_worker_with_bad_json_queue_options_exits_2(db_url: str, spec: str,
