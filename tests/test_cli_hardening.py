@@ -421,6 +421,26 @@ def test_serve_answers_408_to_a_body_held_open(db_url: str, started: list[Proces
         assert sock.recv(65536).startswith(b"HTTP/1.1 201 ")
 
 
+def test_serve_closes_a_connection_whose_headers_trickle(
+    db_url: str, started: list[Process]
+) -> None:
+    server = Process("serve", "--url", db_url, "--read-timeout", "0.5")
+    started.append(server)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        # Closed without an answer; a server that waits forever times this recv out.
+        assert sock.recv(65536) == b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        # After a whole request on a kept-alive connection, the next one's headers
+        # are bounded the same way (one byte must not cancel every timer).
+        sock.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 "), first
+        sock.sendall(b"G")
+        while chunk := sock.recv(65536):
+            assert not chunk.startswith(b"HTTP/"), chunk
+
+
 def test_the_dashboard_closes_a_connection_whose_body_stalls(
     db_url: str, started: list[Process]
 ) -> None:

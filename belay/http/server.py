@@ -6,7 +6,11 @@ the last one the CA that signs the clients' certificates.
 
 A request body must arrive within ``read_timeout`` seconds of its headers, or
 it is answered 408 and its connection closed: uvicorn bounds the wait between
-requests (``timeout_keep_alive``) but not a body held open half sent.
+requests (``timeout_keep_alive``) but not a body held open half sent. And a
+request's headers must arrive within ``read_timeout`` of the connection (or of
+the previous response), or the connection is closed: uvicorn cancels its
+keep-alive timer at the first byte, so a client trickling headers would hold a
+connection forever.
 """
 
 from __future__ import annotations
@@ -168,6 +172,44 @@ class ReadTimeout:
             # The app failing on the disconnect it was handed: the 408 stands.
 
 
+def header_deadline_protocol(timeout: float) -> type[Any]:
+    """uvicorn's h11 protocol, closing a connection whose next request's headers
+    have not all arrived ``timeout`` seconds after the connection was made or
+    the previous response was sent (slow-header clients; the body is
+    :class:`ReadTimeout`'s)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(timeout, self._expire)
+
+        def _expire(self) -> None:
+            self._deadline = None
+            # Headers still incomplete (the client's side idle, no request yet).
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
+
+
 def serve(
     url: str,
     *,
@@ -253,6 +295,7 @@ def serve(
             tls_options = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key,
                            "ssl_ca_certs": tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(ReadTimeout(app, read_timeout), log_level="warning",
+                                http=header_deadline_protocol(read_timeout),
                                 access_log=False, lifespan="off", server_header=False,
                                 timeout_graceful_shutdown=shutdown_grace, **tls_options)
         # uvicorn set up its loggers just now: what they print is redacted.
