@@ -1,26 +1,38 @@
 """A property-based fuzz run of the producer API against its own OpenAPI
 document (schemathesis, in process, a real database): no 500s, responses as
 documented, and a refused request leaves every table as it was. A second run
-against an unreachable database: never a success, only 503s and refusals.
+against an unreachable database: never a success, only 503s and refusals. A
+third layer sends hostile text and JSON (tests.strategies: NUL, lone
+surrogates, non-ASCII digits, huge strings, deep nesting) into every text and
+JSON field and path parameter: never a 5xx, a 400 for what PostgreSQL can't
+store, and nothing written by a refusal.
 
 Cases come from schemathesis's strategies driven by hypothesis directly
 (its pytest plugin's fixture loader does not run under pytest 9)."""
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode, checks
+from starlette.testclient import TestClient
 
 import belay
 from belay.http import build_app
+from belay.http.options import MAX_JSON_DEPTH
 from belay.http.workers import WORKER_OPENAPI_PATHS, WorkerSessions, worker_routes
+from belay.names import MAX_NAME_BYTES, text_problem
 from tests.helpers import insert_job
+from tests.strategies import hostile_json, hostile_text
 
 Conn = psycopg.Connection[Any]
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance,
@@ -129,3 +141,204 @@ def test_the_worker_protocol_keeps_its_document(seeded: Any, client: belay.Belay
     finally:
         sessions.stop()
     assert statuses.get(201, 0) > 0 and statuses.get(401, 0) > 0, statuses
+
+
+# -- Hostile text and JSON --------------------------------------------------------------------
+
+#: A few dozen cases per field group: each is one request and two table digests.
+HOSTILE = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                   suppress_health_check=list(HealthCheck))
+
+
+class _Raw(str):
+    """JSON punctuation already written out (see :func:`json_text`)."""
+
+
+def json_text(value: Any) -> bytes:
+    """``value`` as JSON text the way a careless client writes it: lone surrogates
+    as ``\\ud800`` escapes, NaN and infinities as bare literals, any depth (the
+    stdlib encoder stops near 1,000 levels)."""
+    out: list[str] = []
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _Raw):
+            out.append(item)
+        elif isinstance(item, (list, dict)):
+            pairs = list(item.items()) if isinstance(item, dict) else list(enumerate(item))
+            stack.append(_Raw("}" if isinstance(item, dict) else "]"))
+            for index, (key, child) in reversed(list(enumerate(pairs))):
+                stack.append(child)
+                if isinstance(item, dict):
+                    stack.append(_Raw(json.dumps(key) + ":"))
+                if index:
+                    stack.append(_Raw(","))
+            stack.append(_Raw("{" if isinstance(item, dict) else "["))
+        else:
+            out.append(json.dumps(item))
+    return "".join(out).encode()
+
+
+def segment(value: str) -> str:
+    """``value`` as one path segment: its UTF-8 bytes percent-encoded, a lone
+    surrogate as the three bytes it would take (%ED%A0%80: not UTF-8)."""
+    return quote(value.encode("utf-8", "surrogatepass"), safe="")
+
+
+def unstorable_name(value: str) -> bool:
+    """A name belay.names.check_text refuses."""
+    return (text_problem(value) is not None or not value.strip()
+            or len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES)
+
+
+def unstorable_json(value: Any, *, nul: bool = True) -> bool:
+    """A JSON value no belay column can hold (``nul``: a NUL counts, as in jsonb)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if text_problem(item if nul else item.replace("\x00", "")) is not None:
+                return True
+        elif isinstance(item, float) and not math.isfinite(item):
+            return True
+        elif isinstance(item, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                return True
+            if isinstance(item, dict):
+                if any(text_problem(key) is not None for key in item):
+                    return True
+                stack.extend((child, depth + 1) for child in item.values())
+            else:
+                stack.extend((child, depth + 1) for child in item)
+    return False
+
+
+def hostile_run(sql_conn: Conn, send: Callable[[str, Any], Any],
+                refused: Callable[[str, Any], bool], fields: list[str],
+                values: st.SearchStrategy[Any], prepare: Callable[[], object] = lambda: None
+                ) -> dict[int, int]:
+    """Send ``values`` into each of ``fields``: never a 5xx; a 400 (or, for an
+    empty path segment, a 404) whenever ``refused(field, value)``; and a refusal
+    writes nothing. ``prepare`` runs before each case's digest. Returns how often
+    each status was seen."""
+    statuses: dict[int, int] = {}
+
+    @HOSTILE
+    @given(field=st.sampled_from(fields), value=values)
+    def run(field: str, value: Any) -> None:
+        prepare()
+        before = snapshot(sql_conn)
+        response = send(field, value)
+        status = response.status_code
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status < 500, (field, value, response.text)
+        if refused(field, value):
+            assert status in (400, 404), (field, value, status, response.text)
+        if status >= 400:
+            assert snapshot(sql_conn) == before, (field, status, "wrote rows")
+
+    run()
+    return statuses
+
+
+def test_hostile_text_and_json_reach_no_producer_write(client: belay.Belay,
+                                                       sql_conn: Conn) -> None:
+    waiting = insert_job(sql_conn, state="awaiting", await_name="go")
+    sql_conn.execute("UPDATE belay_jobs SET await_scope = 'job:' || id WHERE id = %s",
+                     (waiting,))
+    json_headers = {"content-type": "application/json"}
+
+    def send(field: str, value: Any) -> Any:
+        if field == "signal name":
+            return http.post(f"/jobs/{waiting}/signals/{segment(value)}", content=b"{}",
+                             headers=json_headers)
+        if field == "payload":
+            return http.post(f"/jobs/{waiting}/signals/go", headers=json_headers,
+                             content=json_text({"v": value}))
+        body: dict[str, Any] = {"task": "t", "args": {}, "options": {}}
+        if field == "args":
+            body["args"] = {"v": value}
+        elif field == "args key":
+            body["args"] = {value: 1}
+        elif field.startswith("options."):
+            body["options"][field.removeprefix("options.")] = value
+        else:
+            body[field] = value
+        return http.post("/jobs", content=json_text(body), headers=json_headers)
+
+    def refused(field: str, value: Any) -> bool:
+        if field in ("args", "payload"):
+            return unstorable_json(value)
+        if field == "args key":
+            return text_problem(value) is not None
+        return unstorable_name(value)
+
+    names = ["task", "options.queue", "options.id", "options.submission_id", "signal name",
+             "args key"]
+    with TestClient(build_app(client), raise_server_exceptions=False) as http:
+        seen = hostile_run(sql_conn, send, refused, names, hostile_text())
+        seen_json = hostile_run(sql_conn, send, refused, ["args", "payload"], hostile_json())
+    assert seen.get(400, 0) > 0 and seen.get(201, 0) > 0, seen
+    assert seen_json.get(400, 0) > 0, seen_json
+
+
+def test_hostile_text_and_json_reach_no_worker_write(client: belay.Belay,
+                                                     sql_conn: Conn) -> None:
+    sessions = WorkerSessions(client)
+    token = sessions.register("fuzz", ["t"])
+    auth = {"Authorization": f"Bearer {token}"}
+    flight: dict[str, str] = {}
+
+    def execution() -> str:
+        """The session's execution in flight (a fresh one once the last completed)."""
+        if "id" not in flight:
+            client.enqueue("t", {})
+            event = sessions.claim(token, "default", 0)
+            assert event is not None
+            flight["id"] = event["execution_id"]
+        return flight["id"]
+
+    def send(field: str, value: Any) -> Any:
+        if field == "claim queue":
+            return http.post(f"/queues/{segment(value)}/claim", headers=auth,
+                             content=b'{"wait_ms": 0}')
+        if field in ("result", "error.details", "error.message", "execution_id"):
+            body: dict[str, Any] = {"execution_id": execution(), "outcome": "failure",
+                                    "error": {"message": "boom"}}
+            if field == "result":
+                body = {"execution_id": body["execution_id"], "outcome": "success",
+                        "result": value}
+            elif field == "execution_id":
+                body["execution_id"] = value
+            else:
+                body["error"][field.removeprefix("error.")] = value
+            response = http.post("/workers/complete", headers=auth, content=json_text(body))
+            if response.status_code == 200:
+                flight.clear()
+            return response
+        registration: dict[str, Any] = {"runtime_id": "r", "tasks": ["t"], "queue": "q"}
+        registration[field] = [value] if field == "tasks" else value
+        return http.post("/workers", content=json_text(registration))
+
+    def refused(field: str, value: Any) -> bool:
+        if field == "result":
+            return unstorable_json(value, nul=False)  # bytea JSON holds a NUL
+        if field == "error.details":
+            return unstorable_json(value)
+        if field in ("error.message", "execution_id"):
+            return False  # made storable / only looked up
+        return unstorable_name(value)
+
+    app = build_app(client, extra_routes=worker_routes(sessions),
+                    extra_openapi_paths=WORKER_OPENAPI_PATHS)
+    try:
+        with TestClient(app, raise_server_exceptions=False) as http:
+            seen = hostile_run(sql_conn, send, refused,
+                               ["runtime_id", "tasks", "queue", "claim queue", "error.message",
+                                "execution_id"], hostile_text(), execution)
+            seen_json = hostile_run(sql_conn, send, refused, ["result", "error.details"],
+                                    hostile_json(), execution)
+    finally:
+        sessions.stop()
+    assert seen.get(400, 0) > 0 and seen.get(201, 0) > 0, seen
+    assert seen_json.get(400, 0) > 0 and seen_json.get(200, 0) > 0, seen_json

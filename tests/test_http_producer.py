@@ -26,9 +26,11 @@ from belay.enqueue import Unique
 from belay.errors import ConfigurationError
 from belay.http import build_app
 from belay.http.errors import STATUS, ApiError
-from belay.http.options import parse_enqueue, round_ms
+from belay.http.options import MAX_JSON_DEPTH, canonical, parse_enqueue, round_ms
 from belay.http.server import check_tls, serve
+from belay.http.workers import WORKER_OPENAPI_PATHS, WorkerSessions, worker_routes
 from tests.helpers import START, count_jobs, insert_job, job_row, running_job, signal_rows
+from tests.strategies import deep
 
 Conn = psycopg.Connection[Any]
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -136,10 +138,13 @@ def test_round_ms_rounds_halves_away_from_zero() -> None:
     ({"task": "t", "options": {"timeout": 0}}, "timeout must be between 1 and 86400000"),
     ({"task": "t", "options": {"timeout": 0.0004}}, "rounds to 0 ms"),
     ({"task": "t", "options": {"timeout": 86_400.001}}, "timeout must be between"),
+    # Within a rounded millisecond of the document's maximum is still over it.
+    ({"task": "t", "options": {"timeout": 86400.00000000001}}, "timeout must be between"),
+    ({"task": "t", "options": {"delay": 315_360_000.0000001}}, "delay must be between"),
     ({"task": "t", "options": {"timeout_ms": 0}}, "timeout_ms must be between 1"),
     ({"task": "t", "options": {"timeout_ms": 86_400_001}}, "timeout_ms must be between"),
     ({"task": "t", "options": {"queue": ""}}, "queue must be a non-empty string"),
-    ({"task": "t", "options": {"queue": 3}}, "queue must be a non-empty string"),
+    ({"task": "t", "options": {"queue": 3}}, "options.queue must be a string, got int"),
     ({"task": "t", "options": {"priority": 2**31}}, "priority must be between"),
     ({"task": "t", "options": {"budget": 5}}, "budget must be a JSON object"),
     ({"task": "t", "options": {"budget": {"eur": 1}}}, "unknown budget key(s) 'eur'"),
@@ -232,6 +237,41 @@ def test_retrying_with_the_same_id_returns_the_same_job(api: TestClient,
     assert count_jobs(sql_conn) == 1
 
 
+@pytest.mark.parametrize(("first", "again", "status"), [
+    (b'{"confirm": 1}', b'{"confirm": true}', 409),  # Python: True == 1
+    (b'{"confirm": 0}', b'{"confirm": false}', 409),
+    (b'{"n": 1}', b'{"n": 1.0}', 409),  # Python: 1 == 1.0
+    (b'{"n": [1, {"m": 1}]}', b'{"n": [1, {"m": true}]}', 409),
+    (b'{"a": 1, "b": [2.5]}', b'{"b": [2.5], "a": 1}', 200),  # key order is not a value
+    (b'{"n": 1.0}', b'{"n": 1.0}', 200),
+    (b'{"n": 1e16}', b'{"n": 1e16}', 200),  # jsonb reads it back as an integer
+    (b'{"n": -0.0}', b'{"n": -0.0}', 200),  # ... and this as 0.0
+    (b'{"n": 1e-7}', b'{"n": 1e-7}', 200),
+])
+def test_an_id_retry_compares_args_as_json(api: TestClient, sql_conn: Conn, first: bytes,
+                                           again: bytes, status: int) -> None:
+    def send(args: bytes) -> httpx2.Response:
+        return api.post("/jobs", content=b'{"task": "t", "options": {"id": "pay-77"}, '
+                        b'"args": ' + args + b"}", headers={"content-type": "application/json"})
+
+    held = send(first)
+    assert held.status_code == 201, held.text
+    retried = send(again)
+    if status == 409:
+        error_of(retried, 409, "id_conflict")
+    else:
+        assert retried.status_code == 200 and retried.json()["id"] == held.json()["id"]
+    assert count_jobs(sql_conn) == 1
+
+
+def test_canonical_json_keeps_apart_what_python_conflates() -> None:
+    assert len({canonical(v) for v in (True, 1, 1.0, "1", None, False, 0, 0.0)}) == 8
+    assert canonical({"b": 1, "a": [True]}) == canonical({"a": [True], "b": 1})
+    assert canonical(1e16) == canonical(10**16) and canonical(1e300) == canonical(10**300)
+    assert canonical(-0.0) == canonical(0.0) and canonical(1.5e-7) == canonical(0.00000015)
+    assert canonical(2**70 + 1) != canonical(float(2**70 + 1))
+
+
 def test_submission_ids_are_idempotent_too(api: TestClient, sql_conn: Conn) -> None:
     body = {"task": "t", "options": {"submission_id": "client-run-7"}}
     ids = {post_job(api, body).json()["id"] for _ in range(3)}
@@ -272,7 +312,7 @@ def test_a_refused_option_writes_nothing(api: TestClient, sql_conn: Conn) -> Non
      "application/json"),
     (b'{"task": "t"}', {}, 415, "unsupported_media_type", "no Content-Type"),
     (b'{"task": "t", "args": {"x": "\\u0000"}}', {"content-type": "application/json"}, 400,
-     "invalid_request", "PostgreSQL refused a value"),
+     "invalid_request", "args.x contains a NUL character"),
 ])
 def test_malformed_bodies(api: TestClient, sql_conn: Conn, content: bytes,
                           headers: dict[str, str], status: int, code: str,
@@ -288,6 +328,48 @@ def test_huge_integers_stay_exact(api: TestClient, sql_conn: Conn) -> None:
                         headers={"content-type": "application/json"})
     assert response.status_code == 201
     assert job_row(sql_conn, response.json()["id"])["input"] == {"n": big}
+
+
+def post_raw(api: TestClient, body: Any) -> httpx2.Response:
+    """``body`` as JSON text the way a careless client writes it: lone surrogates as
+    ``\\ud800`` escapes, NaN as a bare literal (httpx's ``json=`` refuses both)."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return api.post("/jobs", content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"task": "a\x00b"}, "task contains a NUL character"),
+    ({"task": "\ud800"}, "task contains a lone surrogate"),
+    ({"task": "é" * 128}, "task is 256 bytes long; the limit is 255 bytes"),
+    ({"task": "t", "options": {"queue": "q\x00"}}, "options.queue contains a NUL"),
+    ({"task": "t", "options": {"queue": "\udfff"}}, "options.queue contains a lone surrogate"),
+    ({"task": "t", "options": {"id": "pay\x00"}}, "options.id contains a NUL"),
+    ({"task": "t", "options": {"id": "pay-\ud800"}}, "options.id contains a lone surrogate"),
+    ({"task": "t", "options": {"id": "é" * 128}}, "options.id is 256 bytes long"),
+    ({"task": "t", "options": {"submission_id": "\ud800"}},
+     "options.submission_id contains a lone surrogate"),
+    ({"task": "t", "options": {"submission_id": "s\x00"}},
+     "options.submission_id contains a NUL"),
+    ({"task": "t", "args": {"x": [1, "\ud800"]}}, "args.x[1] contains a lone surrogate"),
+    ({"task": "t", "args": {"k\x00": 1}}, "a key in args contains a NUL"),
+    ({"task": "t", "args": {"x": {"\udc00": 1}}}, "a key in args.x contains a lone surrogate"),
+    ({"task": "t", "args": {"x": float("nan")}}, "not valid JSON: NaN is not JSON"),
+    ({"task": "t", "args": {"x": float("inf")}}, "not valid JSON: Infinity is not JSON"),
+    ({"task": "t", "args": {"x": deep(MAX_JSON_DEPTH)}},
+     f"args nests deeper than {MAX_JSON_DEPTH} levels"),
+    (b'{"task": "t", "args": {"x": ' + b"[" * 5000 + b"]" * 5000 + b"}}",
+     "nests deeper than this server parses"),
+])
+def test_bad_text_is_a_400_naming_the_field(api: TestClient, sql_conn: Conn, body: Any,
+                                            words: str) -> None:
+    assert words in error_of(post_raw(api, body), 400, "invalid_request")
+    assert count_jobs(sql_conn) == 0
+
+
+def test_the_deepest_args_allowed_are_stored(api: TestClient, sql_conn: Conn) -> None:
+    response = post_raw(api, {"task": "t", "args": {"x": deep(MAX_JSON_DEPTH - 2)}})
+    assert response.status_code == 201, response.text
+    assert job_row(sql_conn, response.json()["id"])["input"] == {"x": deep(MAX_JSON_DEPTH - 2)}
 
 
 def test_get_job(api: TestClient, sql_conn: Conn) -> None:
@@ -351,6 +433,43 @@ def test_signals(api: TestClient, sql_conn: Conn) -> None:
                       headers={"content-type": "text/plain"}), 415, "unsupported_media_type")
     error_of(api.post("/jobs/5555/signals/approve", json={}), 404, "not_found")
     assert len(signal_rows(sql_conn)) == 2
+
+
+@pytest.mark.parametrize(("path", "payload", "words"), [
+    # Invalid UTF-8 once percent-decoded: the server would hand the route U+FFFD.
+    ("signals/%ED%A0%80", b"{}", "the request path is not valid UTF-8"),
+    ("signals/ok%FF", b"{}", "the request path is not valid UTF-8"),
+    ("signals/a%00b", b"{}", "the signal name contains a NUL character"),
+    ("signals/" + "%C3%A9" * 128, b"{}", "the signal name is 256 bytes long"),
+    ("signals/ok", b'{"by": "\\u0000"}', "payload.by contains a NUL character"),
+    ("signals/ok", b'{"\\ud800": 1}', "a key in payload contains a lone surrogate"),
+    ("signals/ok", b'{"n": NaN}', "NaN is not JSON"),
+])
+def test_a_bad_signal_is_a_400_and_writes_nothing(api: TestClient, sql_conn: Conn, path: str,
+                                                  payload: bytes, words: str) -> None:
+    waiting = insert_job(sql_conn, state="awaiting", await_name="ok")
+    sql_conn.execute("UPDATE belay_jobs SET await_scope = 'job:' || id WHERE id = %s",
+                     (waiting,))
+    response = api.post(f"/jobs/{waiting}/{path}", content=payload,
+                        headers={"content-type": "application/json"})
+    assert words in error_of(response, 400, "invalid_request")
+    assert signal_rows(sql_conn) == [] and job_row(sql_conn, waiting)["state"] == "awaiting"
+    for bad_id in ("%ED%A0%80", "%C2%B2", "1%00"):  # a job id is ASCII digits only
+        assert "a job id is an integer" in error_of(
+            api.post(f"/jobs/{bad_id}/signals/ok", json={}), 400, "invalid_request")
+
+
+def test_a_last_event_id_in_other_digits_is_ignored(client: belay.Belay,
+                                                    sql_conn: Conn) -> None:
+    """b"\\xb2" is "²" as Starlette decodes a header (Latin-1): str.isdigit() takes
+    it, int() does not. Sent at the ASGI level: an HTTP client would re-encode it."""
+    job_id = insert_job(sql_conn, state="succeeded", result=b"1")
+    add_events(sql_conn, job_id, 1)
+    sent = asgi_call(build_app(client), "GET", f"/jobs/{job_id}/events/stream", [],
+                     [(b"last-event-id", b"\xb2")])
+    assert sent[0]["status"] == 200
+    body = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    assert [kind for kind, _, _ in sse(body)] == ["event", "end"]
 
 
 def add_events(conn: Conn, job_id: int, count: int, first: int = 1) -> None:
@@ -422,25 +541,37 @@ def test_bodies_over_the_limit_are_refused_unread(client: belay.Belay, sql_conn:
     assert count_jobs(sql_conn) == 1
 
 
-def test_a_lying_content_length_is_counted_anyway(client: belay.Belay) -> None:
-    """An ASGI-level check: Content-Length says 10, 200 bytes arrive."""
-    app = build_app(client, body_limit=100)
+def asgi_call(app: Any, method: str, path: str, chunks: list[bytes],
+              headers: list[tuple[bytes, bytes]]) -> list[dict[str, Any]]:
+    """One request straight through ASGI (headers and body exactly as given); the
+    messages the app sent."""
+    import anyio
+
     sent: list[dict[str, Any]] = []
-    chunks = [{"type": "http.request", "body": b"x" * 100, "more_body": True},
-              {"type": "http.request", "body": b"x" * 100, "more_body": False}]
+    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+                for i, chunk in enumerate(chunks or [b""])]
 
     async def receive() -> dict[str, Any]:
-        return chunks.pop(0)
+        if messages:
+            return messages.pop(0)
+        await anyio.sleep_forever()  # the client keeps the connection open
+        raise AssertionError
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    import anyio
-    scope = {"type": "http", "method": "POST", "path": "/jobs", "raw_path": b"/jobs",
+    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(),
              "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
-             "server": ("testserver", 80), "client": ("1.2.3.4", 5),
-             "headers": [(b"content-length", b"10"), (b"content-type", b"application/json")]}
+             "server": ("testserver", 80), "client": ("1.2.3.4", 5), "headers": headers}
     anyio.run(app, scope, receive, send)
+    return sent
+
+
+def test_a_lying_content_length_is_counted_anyway(client: belay.Belay) -> None:
+    """An ASGI-level check: Content-Length says 10, 200 bytes arrive."""
+    sent = asgi_call(build_app(client, body_limit=100), "POST", "/jobs",
+                     [b"x" * 100, b"x" * 100],
+                     [(b"content-length", b"10"), (b"content-type", b"application/json")])
     assert sent[0]["status"] == 413
 
 
@@ -456,6 +587,35 @@ def test_the_token_guards_every_producer_call(client: belay.Belay, sql_conn: Con
         assert ok.status_code == 201
         assert http.get("/openapi.json").status_code == 200  # the document is public
     assert count_jobs(sql_conn) == 1
+
+
+@pytest.mark.parametrize("with_length", [True, False])
+def test_the_token_is_checked_before_the_body_is_read(client: belay.Belay, sql_conn: Conn,
+                                                      with_length: bool) -> None:
+    """A client without the token can't make the server take in a body: 401, not 413."""
+    sessions = WorkerSessions(client)
+    app = build_app(client, token="s3cret", body_limit=100,
+                    extra_routes=worker_routes(sessions, token="s3cret"),
+                    extra_openapi_paths=WORKER_OPENAPI_PATHS)
+    big = json.dumps({"task": "t", "args": {"pad": "x" * 5000}}).encode()
+    try:
+        with TestClient(app) as http:
+            def post(path: str, **headers: str) -> httpx2.Response:
+                content: Any = big if with_length else iter([big[:60], big[60:]])
+                return http.post(path, content=content,
+                                 headers={"content-type": "application/json", **headers})
+
+            for path in ("/jobs", "/jobs/1/signals/go", "/workers", "/queues/default/claim",
+                         "/workers/started", "/workers/complete"):
+                error_of(post(path), 401, "unauthorized")
+                error_of(post(path, authorization="Bearer wrong"), 401, "unauthorized")
+            for path in ("/jobs", "/workers"):
+                refused = post(path, authorization="Bearer s3cret")
+                assert "100-byte limit" in error_of(refused, 413, "payload_too_large")
+                assert refused.headers["connection"] == "close"
+    finally:
+        sessions.stop()
+    assert count_jobs(sql_conn) == 0 and sessions.sessions() == 0
 
 
 def test_a_database_failure_is_503_never_a_success() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from belay.http.workers import (
     worker_routes,
 )
 from tests.helpers import job_row
+from tests.strategies import deep
 
 
 class Ticker:
@@ -81,6 +83,34 @@ def test_register_validates(sessions: WorkerSessions, http: TestClient,
     answer = http.post("/workers", json=bad)
     assert answer.status_code == 400
     assert answer.json()["error"]["code"] == "invalid_request"
+    assert sessions.sessions() == 0
+
+
+def post_raw(http: TestClient, path: str, body: Any, token: str | None = None) -> Any:
+    """``body`` as JSON text with lone surrogates as ``\\ud800`` escapes and NaN as
+    a bare literal, as a careless client writes them (httpx's ``json=`` refuses both)."""
+    return http.post(path, content=body if isinstance(body, bytes) else json.dumps(body),
+                     headers=auth(token) if token else {})
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"runtime_id": "\ud800", "tasks": ["a"]}, "runtime_id contains a lone surrogate"),
+    ({"runtime_id": "r\x00", "tasks": ["a"]}, "runtime_id contains a NUL"),
+    ({"runtime_id": "é" * 128, "tasks": ["a"]}, "runtime_id is 256 bytes long"),
+    ({"runtime_id": "r", "tasks": ["a", "b\x00"]}, "tasks[1] contains a NUL"),
+    ({"runtime_id": "r", "tasks": ["\udfff"]}, "tasks[0] contains a lone surrogate"),
+    ({"runtime_id": "r", "tasks": ["a"], "queue": "q\ud800"}, "queue contains a lone surrogate"),
+    ({"runtime_id": "r", "tasks": ["a"], "queue": "\x00"}, "queue contains a NUL"),
+    ({"runtime_id": "r", "tasks": ["a"], "capacity": float("nan")}, "NaN is not JSON"),
+])
+def test_register_refuses_text_postgresql_cannot_hold(
+        sessions: WorkerSessions, http: TestClient, body: Any, words: str) -> None:
+    """No session is left behind (a surrogate once made the reply fail after the
+    session was made), and no NUL kind reaches the claim query."""
+    answer = post_raw(http, "/workers", body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == "invalid_request"
+    assert words in answer.json()["error"]["message"]
     assert sessions.sessions() == 0
 
 
@@ -318,6 +348,66 @@ def test_bad_completions_are_refused_and_write_nothing(
         == 400
     row = job_row(sql_conn, job.id)
     assert (row["state"], row["result"], row["errors"]) == ("running", None, [])
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"outcome": "failure", "error": {"message": "m", "details": {"k": "a\x00"}}},
+     "error.details.k contains a NUL"),
+    ({"outcome": "failure", "error": {"message": "m", "details": ["\ud800"]}},
+     "error.details[0] contains a lone surrogate"),
+    ({"outcome": "failure", "error": {"message": "m", "details": {"\x00": 1}}},
+     "a key in error.details contains a NUL"),
+    ({"outcome": "failure", "error": {"message": "m", "details": {"n": float("nan")}}},
+     "NaN is not JSON"),
+    ({"outcome": "failure", "error": {"message": "m", "details": deep(300)}},
+     "error.details nests deeper than 200 levels"),
+    ({"outcome": "success", "result": {"n": float("-inf")}}, "-Infinity is not JSON"),
+    ({"outcome": "success", "result": "\udc80"}, "result contains a lone surrogate"),
+    ({"outcome": "success", "result": {"k": deep(300)}}, "result nests deeper than 200"),
+    (b'{"outcome": "success", "result": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     "nests deeper than this server parses"),
+])
+def test_unstorable_completions_are_refused_and_write_nothing(
+        http: TestClient, client: belay.Belay, sql_conn: psycopg.Connection[Any], body: Any,
+        words: str) -> None:
+    job = client.enqueue("t", {})
+    token = http.post("/workers", json={"runtime_id": "r", "tasks": ["t"]}).json()[
+        "worker_token"]
+    event = http.post("/queues/default/claim", headers=auth(token), json={"wait_ms": 0}).json()
+    if isinstance(body, bytes):
+        body = body.replace(b"{", b'{"execution_id": "%s", ' % event["execution_id"].encode(),
+                            1)
+    else:
+        body = {"execution_id": event["execution_id"], **body}
+    answer = post_raw(http, "/workers/complete", body, token)
+    assert answer.status_code == 400, answer.text
+    assert words in answer.json()["error"]["message"]
+    row = job_row(sql_conn, job.id)
+    assert (row["state"], row["result"], row["errors"]) == ("running", None, [])
+    # The execution is still in flight: a good completion goes through.
+    done = http.post("/workers/complete", headers=auth(token), json={
+        "execution_id": event["execution_id"], "outcome": "success", "result": "\x00 ok"})
+    assert done.status_code == 200 and done.json()["state"] == "succeeded"
+    assert client.await_result(job.id, timeout=5) == "\x00 ok"  # a result is bytea: NUL fits
+
+
+def test_a_claim_path_that_is_not_utf8_is_refused(http: TestClient, client: belay.Belay,
+                                                  sql_conn: psycopg.Connection[Any]) -> None:
+    """%ED%A0%80 (a surrogate's bytes) reaches the route as U+FFFD x 3: it must not
+    match a queue of that name."""
+    job = client.enqueue("t", {}, queue="\ufffd\ufffd\ufffd")
+    token = http.post("/workers", json={"runtime_id": "r", "tasks": ["t"],
+                                        "queue": "\ufffd\ufffd\ufffd"}).json()["worker_token"]
+    for path in ("%ED%A0%80", "%FF%FF%FF"):
+        answer = http.post(f"/queues/{path}/claim", headers=auth(token), json={"wait_ms": 0})
+        assert answer.status_code == 400, answer.text
+        assert "not valid UTF-8" in answer.json()["error"]["message"]
+    assert job_row(sql_conn, job.id)["state"] == "ready"
+    answer = http.post("/queues/a%00b/claim", headers=auth(token), json={"wait_ms": 0})
+    assert "queue contains a NUL" in answer.json()["error"]["message"]
+    claimed = http.post("/queues/%EF%BF%BD%EF%BF%BD%EF%BF%BD/claim", headers=auth(token),
+                        json={"wait_ms": 0})
+    assert claimed.status_code == 200 and claimed.json()["job_id"] == job.id
 
 
 def test_stale_completion_after_reclaim_writes_nothing(

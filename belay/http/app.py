@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Final
 
@@ -19,17 +18,24 @@ import psycopg_pool
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from belay.client import Belay
 from belay.codec import dumps
 from belay.errors import JobNotFound, SchemaError, ValidationError
 from belay.http.errors import STATUS, ApiError, error_body, invalid
 from belay.http.openapi import document
-from belay.http.options import parse_enqueue
+from belay.http.options import (
+    canonical,
+    check_json,
+    first_line,
+    parse_enqueue,
+    parse_json,
+    path_text,
+)
 from belay.job import Job
 from belay.ops import event_view, job_view, jsonable
 
@@ -39,6 +45,9 @@ DEFAULT_EVENTS_PAGE: Final = 100
 #: The longest pause between two looks at a streamed job.
 STREAM_POLL: Final = 0.5
 _MAX_ID: Final = 2**63 - 1
+#: The scope key under which the app publishes its body limit to every route,
+#: the worker routes included: each reads its body itself, after its token check.
+BODY_LIMIT_KEY: Final = "belay.body_limit"
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -54,7 +63,8 @@ def build_app(
 ) -> Starlette:
     """The producer API over ``client``. ``token``: every producer call needs
     ``Authorization: Bearer <token>``. ``body_limit``: the largest request body
-    in bytes (counted as it streams in, whatever Content-Length says).
+    in bytes (counted as it streams in, whatever Content-Length says; read only
+    once the token checked out).
     ``extra_routes`` / ``extra_openapi_paths`` plug more endpoints in (the HTTP
     worker protocol). ``allowed_hosts``: when given, a request whose Host header
     names another host is refused (a loopback server's DNS-rebinding guard)."""
@@ -62,7 +72,7 @@ def build_app(
         raise ValueError("token must be a non-empty string or None")
     if isinstance(body_limit, bool) or not isinstance(body_limit, int) or body_limit < 1:
         raise ValueError(f"body_limit must be a positive integer, got {body_limit!r}")
-    api = _Api(client, token)
+    api = _Api(client, token, body_limit)
     spec = document(extra_openapi_paths or {})
 
     async def openapi(request: Request) -> Response:
@@ -82,9 +92,9 @@ def build_app(
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error, ApiError: _api_error,
-                            Exception: _crash},
+                            ClientDisconnect: _disconnected, Exception: _crash},
     )
-    app.add_middleware(_BodyLimit, limit=body_limit,
+    app.add_middleware(_Guard, limit=body_limit,
                        hosts=None if allowed_hosts is None else frozenset(
                            h.lower() for h in allowed_hosts))
     return app
@@ -120,6 +130,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(code, str(exc.detail))
 
 
+async def _disconnected(request: Request, exc: Exception) -> Response:
+    # The client left before its body ended (or belay serve's read timeout
+    # answered 408 already): nobody reads this, and it is no crash to log.
+    return error_response("invalid_request", "the client disconnected before the body "
+                          "ended", {"Connection": "close"})
+
+
 async def _crash(request: Request, exc: Exception) -> Response:
     return error_response("internal", f"internal error ({type(exc).__name__}); see the "
                           "server's log")
@@ -132,9 +149,10 @@ def job_json(job: Job, **extra: Any) -> dict[str, Any]:
 class _Api:
     """The producer endpoints over one client."""
 
-    def __init__(self, client: Belay, token: str | None) -> None:
+    def __init__(self, client: Belay, token: str | None, body_limit: int) -> None:
         self.client = client
         self._token = None if token is None else token.encode()
+        self._body_limit = body_limit
 
     def guarded(self, handler: Handler) -> Handler:
         """``handler`` behind the bearer token, with database failures as 503."""
@@ -148,10 +166,10 @@ class _Api:
             except JobNotFound as exc:
                 raise ApiError("not_found", str(exc)) from None
             except psycopg.DataError as exc:  # a value PostgreSQL can't take, like a NUL
-                raise invalid(f"PostgreSQL refused a value: {_first_line(exc)}") from None
+                raise invalid(f"PostgreSQL refused a value: {first_line(exc)}") from None
             except (psycopg.Error, psycopg_pool.PoolTimeout, SchemaError, OSError) as exc:
                 raise ApiError("unavailable", f"the database is unavailable "
-                               f"({type(exc).__name__}: {_first_line(exc)}); nothing was "
+                               f"({type(exc).__name__}: {first_line(exc)}); nothing was "
                                "done, try again") from None
 
         endpoint.__name__ = handler.__name__
@@ -165,12 +183,13 @@ class _Api:
             given.strip().encode("utf-8", "surrogateescape"), self._token
         ):
             return
+        # Closed: a body sent along is never read, so the connection can't carry more.
         raise ApiError("unauthorized", "this server needs 'Authorization: Bearer <token>' "
                        "with the token it was started with",
-                       headers={"WWW-Authenticate": "Bearer"})
+                       headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
 
     async def enqueue(self, request: Request) -> Response:
-        body = await _json_body(request, required=True)
+        body = await self._json_body(request, required=True)
         now = self.client.now()
         spec = parse_enqueue(body, now)
 
@@ -179,7 +198,8 @@ class _Api:
 
         job = await run_in_threadpool(insert)
         if job.duplicate:
-            if job.kind != spec.kind or job.input != spec.input:
+            # Compared as JSON, not with Python's ==, where True == 1 == 1.0.
+            if job.kind != spec.kind or canonical(job.input) != canonical(spec.input):
                 raise ApiError("id_conflict", f"job {job.id} already holds this id with "
                                f"another task or args ({job.kind}); retry only with the same "
                                "id and definition, or use a new id")
@@ -217,12 +237,14 @@ class _Api:
 
     async def signal(self, request: Request) -> Response:
         job_id = _job_id(request)
-        name = request.path_params["name"]
-        payload = await _json_body(request, required=False)
+        name = path_text(request.scope.get("raw_path"), request.path_params["name"],
+                         "the signal name")
+        payload = await self._json_body(request, required=False)
         if payload is None:
             payload = {}
         if not isinstance(payload, dict):
             raise invalid("a signal payload is a JSON object (or an empty body)")
+        check_json(payload, "payload")
 
         def deliver() -> list[int]:
             if self.client.get_job(job_id) is None:
@@ -256,7 +278,8 @@ class _Api:
         job_id = _job_id(request)
         after = _query_int(request, "after", 0, 0, _MAX_ID)
         last_seen = request.headers.get("last-event-id")
-        if last_seen is not None and last_seen.isdigit() and len(last_seen) <= 18:
+        if (last_seen is not None and last_seen.isascii() and last_seen.isdigit()
+                and len(last_seen) <= 18):
             after = max(after, int(last_seen))
         await self._job(request)  # a 404 before the stream starts
         return StreamingResponse(self._follow(job_id, after), media_type="text/event-stream",
@@ -302,6 +325,20 @@ class _Api:
             raise JobNotFound(job_id)
         return job
 
+    async def _json_body(self, request: Request, *, required: bool) -> Any:
+        """The body as JSON; None for an empty body when it is optional."""
+        raw = await read_body(request, self._body_limit)
+        if not raw.strip() and not required:
+            return None
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise ApiError("unsupported_media_type",
+                           f"send the body as Content-Type: application/json (got "
+                           f"{media or 'no Content-Type'!r})")
+        if not raw.strip():
+            raise invalid("the body is empty; send a JSON object")
+        return parse_json(raw)
+
 
 def _sse(kind: str, data: Any, seq: int | None = None) -> bytes:
     head = f"event: {kind}\n" + (f"id: {seq}\n" if seq is not None else "")
@@ -324,46 +361,36 @@ def _query_int(request: Request, name: str, default: int, low: int, high: int) -
     return int(raw)
 
 
-async def _json_body(request: Request, *, required: bool) -> Any:
-    """The body as JSON (the size limit was checked as it arrived); None for
-    an empty body when it is optional."""
-    raw = await request.body()
-    if not raw.strip() and not required:
-        return None
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media != "application/json":
-        raise ApiError("unsupported_media_type",
-                       f"send the body as Content-Type: application/json (got "
-                       f"{media or 'no Content-Type'!r})")
-    if not raw.strip():
-        raise invalid("the body is empty; send a JSON object")
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
-                          parse_float=_finite_float)
-    except (ValueError, RecursionError) as exc:
-        raise invalid(f"the body is not valid JSON: {_first_line(exc)[:200]}") from None
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (or the app's
+    own, when lower): at once when Content-Length says so, else by counting
+    what streams in. Read only here, so every route checks its token first and
+    an unauthenticated client can't make the server take in a body."""
+    limit = min(limit, request.scope.get(BODY_LIMIT_KEY, limit))
+    declared = request.headers.get("content-length")
+    if (declared is not None and declared.isascii() and declared.isdigit()
+            and int(declared) > limit):
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+def _too_large(limit: int) -> ApiError:
+    # The rest of the body is never read: the connection can't carry another request.
+    return ApiError("payload_too_large", f"the request body is over the {limit}-byte "
+                    "limit; send less", headers={"Connection": "close"})
 
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is too large for a double")
-    return value
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-class _BodyLimit:
-    """Refuses a body over ``limit`` bytes with 413 before anything parses it:
-    at once when Content-Length says so, else by counting what streams in.
-    With ``hosts``, refuses a Host header naming another host (400)."""
+class _Guard:
+    """Publishes the body limit to the routes (which read their bodies after
+    their token checks). With ``hosts``, refuses a Host header naming another
+    host (400) before anything else."""
 
     def __init__(self, app: ASGIApp, limit: int, hosts: frozenset[str] | None) -> None:
         self.app = app
@@ -374,51 +401,14 @@ class _BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.lower(): v for k, v in scope.get("headers", [])}
         if self.hosts is not None:
+            headers = {k.lower(): v for k, v in scope.get("headers", [])}
             host = headers.get(b"host", b"").decode("latin-1").lower()
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if name not in self.hosts and host not in self.hosts:
-                await _send(send, error_response(
+                response = error_response(
                     "invalid_request", f"Host {host!r} is not served here (this server "
-                    "answers its loopback names only)"), scope, receive)
+                    "answers its loopback names only)", {"Connection": "close"})
+                await response(scope, receive, send)
                 return
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _send(send, self._too_large(), scope, receive)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                # A disconnect before the body ended: nothing to answer.
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                await _send(send, self._too_large(), scope, receive)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    def _too_large(self) -> Response:
-        return error_response("payload_too_large", f"the request body is over the "
-                              f"{self.limit}-byte limit; send less")
-
-
-async def _send(send: Send, response: Response, scope: Scope, receive: Receive) -> None:
-    response.headers["Connection"] = "close"
-    await response(scope, receive, send)
+        await self.app({**scope, BODY_LIMIT_KEY: self.limit}, receive, send)

@@ -8,9 +8,17 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from belay.http.errors import STATUS
+from belay.http.options import MAX_JSON_DEPTH
+from belay.names import MAX_NAME_BYTES
 
 _ERROR_REF: Final = {"$ref": "#/components/schemas/Error"}
 _MAX_ID: Final = 2**63 - 1
+#: The rule on every name belay stores (belay.names.check_text): a byte limit,
+#: stated as maxLength (a string of at most N UTF-8 bytes has at most N characters).
+_TEXT: Final = (f"at most {MAX_NAME_BYTES} bytes of UTF-8; no NUL (\\u0000) or lone "
+                "surrogate")
+_JSON_RULE: Final = (f"JSON nested at most {MAX_JSON_DEPTH} levels; no string or key "
+                     "holding NUL (\\u0000) or a lone surrogate")
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -62,10 +70,12 @@ _OPTIONS: Final = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
-        "id": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[^$]",
-               "description": "idempotency key, used as belay's unique key (mode always)"},
-        "submission_id": {"type": "string", "minLength": 1, "maxLength": 255,
-                          "description": "idempotency key; the unique key is derived from it"},
+        "id": {"type": "string", "minLength": 1, "maxLength": MAX_NAME_BYTES, "pattern": "^[^$]",
+               "description": "idempotency key, used as belay's unique key (mode always); "
+                              + _TEXT},
+        "submission_id": {"type": "string", "minLength": 1, "maxLength": MAX_NAME_BYTES,
+                          "description": "idempotency key; the unique key is derived from "
+                                         "it; " + _TEXT},
         "delay": {"type": "number", "minimum": 0, "maximum": 315_360_000,
                   "description": "seconds from now (rounded to ms, halves up)"},
         "delay_ms": {"type": "integer", "minimum": 0, "maximum": 315_360_000_000},
@@ -76,7 +86,8 @@ _OPTIONS: Final = {
         "timeout": {"type": "number", "minimum": 0.0005, "maximum": 86_400,
                     "description": "seconds; stored in meta $timeout_ms for HTTP workers"},
         "timeout_ms": {"type": "integer", "minimum": 1, "maximum": 86_400_000},
-        "queue": {"type": "string", "minLength": 1, "pattern": "\\S"},
+        "queue": {"type": "string", "minLength": 1, "maxLength": MAX_NAME_BYTES,
+                  "pattern": "\\S", "description": _TEXT},
         "priority": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
         "budget": {
             "type": "object", "additionalProperties": False,
@@ -108,9 +119,10 @@ _ENQUEUE: Final = {
     "additionalProperties": False,
     "required": ["task"],
     "properties": {
-        "task": {"type": "string", "minLength": 1, "pattern": "\\S",
-                 "description": "the worker name (belay's job kind)"},
-        "args": {"type": "object", "description": "the job's input"},
+        "task": {"type": "string", "minLength": 1, "maxLength": MAX_NAME_BYTES,
+                 "pattern": "\\S",
+                 "description": "the worker name (belay's job kind); " + _TEXT},
+        "args": {"type": "object", "description": "the job's input; " + _JSON_RULE},
         "options": _OPTIONS,
     },
 }
@@ -176,10 +188,12 @@ def _paths() -> dict[str, Any]:
         "/jobs/{job_id}/signals/{name}": {
             "parameters": [_JOB_ID, {"name": "name", "in": "path", "required": True,
                                      "schema": {"type": "string", "minLength": 1,
-                                                "pattern": "^[^$]"}}],
+                                                "maxLength": MAX_NAME_BYTES,
+                                                "pattern": "^[^$]", "description": _TEXT}}],
             "post": {"operationId": "signalJob", "summary": "Deliver a durable signal",
                      "requestBody": {"required": False, "content": {
-                         "application/json": {"schema": {"type": "object"}}}},
+                         "application/json": {"schema": {"type": "object",
+                                                         "description": _JSON_RULE}}}},
                      "responses": {"200": _json({
                          "type": "object", "required": ["type", "id", "signal", "woken"],
                          "properties": {"type": {"const": "signal"}, "id": {"type": "integer"},

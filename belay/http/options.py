@@ -1,4 +1,5 @@
-"""``POST /jobs`` bodies → belay enqueue arguments: pure, no I/O.
+"""``POST /jobs`` bodies → belay enqueue arguments, and the checks every HTTP
+body shares (strict JSON, storable text and values, canonical JSON): pure, no I/O.
 
 The option names and rules follow the seed's producer API where they map onto
 belay (see docs/http.md): ``id``/``submission_id`` become an ``always``
@@ -12,12 +13,14 @@ whose message names the option and the fix.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 from typing import Any, Final
+from urllib.parse import unquote_to_bytes
 
 from belay import names
 from belay.enqueue import JobSpec, Unique, build_row
@@ -38,7 +41,12 @@ MAX_DELAY_MS: Final = 10 * 365 * 86_400_000  # ten years
 #: 9999-12-31T23:59:59.999Z, the last instant a timestamp can name here.
 MAX_RUN_AT_MS: Final = 253_402_300_799_999
 MAX_RETRIES: Final = 65_534
-MAX_ID_LENGTH: Final = 255
+#: ``id`` and ``submission_id``, in UTF-8 bytes (belay.names' limit on ids).
+MAX_ID_BYTES: Final = names.MAX_NAME_BYTES
+#: The deepest a JSON value may nest (args, payloads, results, error details):
+#: below orjson's 254, so a value refused by belay.codec is refused here first,
+#: with a 400 that names the field.
+MAX_JSON_DEPTH: Final = 200
 _INT32: Final = (-(2**31), 2**31 - 1)
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
@@ -78,9 +86,11 @@ def parse_enqueue(body: Any, now: datetime) -> Enqueue:
     if not isinstance(task, str) or not task.strip():
         raise invalid(f"task must be a non-empty string naming the worker (belay's job kind), "
                       f"got {_show(task)}")
+    text("task", task)
     args = body.get("args", {})
     if not isinstance(args, dict):
         raise invalid(f"args must be a JSON object, got {_json_type(args)}")
+    check_json(args, "args")
     options = body.get("options", {})
     if not isinstance(options, dict):
         raise invalid(f"options must be a JSON object, got {_json_type(options)}")
@@ -128,8 +138,8 @@ def _options(task: str, args: dict[str, Any], options: dict[str, Any], now: date
     if "priority" in options:
         priority = _int("priority", options["priority"], *_INT32)
     queue = options.get("queue")
-    if queue is not None and (not isinstance(queue, str) or not queue.strip()):
-        raise invalid(f"queue must be a non-empty string, got {_show(queue)}")
+    if queue is not None:
+        text("options.queue", queue)
     budget = options.get("budget")
     if budget is not None and not isinstance(budget, dict):
         raise invalid(f"budget must be a JSON object like {{\"usd\": 1.5, \"tokens\": 20000}}, "
@@ -146,7 +156,8 @@ def idempotency(options: Mapping[str, Any]) -> Unique | None:
     if "id" in options:
         key = _identifier("id", options["id"])
         if key.startswith(names.RESERVED_PREFIX):
-            raise invalid(f"id must not start with '$' (reserved for belay), got {key!r}")
+            raise invalid(f"options.id must not start with '$' (reserved for belay), "
+                          f"got {key!r}")
         return Unique(key, "always")
     if "submission_id" in options:
         raw = _identifier("submission_id", options["submission_id"])
@@ -199,6 +210,10 @@ def _schedule(options: Mapping[str, Any], now: datetime
         return None, _EPOCH + timedelta(milliseconds=at)
     if "delay" in options:
         ms = round_ms("delay", options["delay"])
+        # The document's bound is on the seconds sent, not on them rounded.
+        if options["delay"] > MAX_DELAY_MS / 1000:
+            raise invalid(f"delay must be between 0 and {MAX_DELAY_MS // 1000} seconds, "
+                          f"got {options['delay']!r}")
         name = "delay"
     elif "delay_ms" in options:
         ms = options["delay_ms"]
@@ -216,6 +231,9 @@ def _schedule(options: Mapping[str, Any], now: datetime
 def _timeout(options: Mapping[str, Any]) -> int | None:
     if "timeout" in options:
         ms = round_ms("timeout", options["timeout"])
+        if options["timeout"] > MAX_TIMEOUT_MS / 1000:
+            raise invalid(f"timeout must be between 0.001 and {MAX_TIMEOUT_MS // 1000} "
+                          f"seconds, got {options['timeout']!r}")
         if ms < 1 and options["timeout"] > 0:
             raise invalid(f"timeout {options['timeout']!r} s rounds to 0 ms; the shortest "
                           "timeout is 0.001 s (1 ms)")
@@ -235,10 +253,134 @@ def _exclusive(options: Mapping[str, Any], group: tuple[str, ...], what: str) ->
 
 def _identifier(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise invalid(f"{name} must be a non-empty string, got {_show(value)}")
-    if len(value) > MAX_ID_LENGTH:
-        raise invalid(f"{name} is {len(value)} characters; the limit is {MAX_ID_LENGTH}")
+        raise invalid(f"options.{name} must be a non-empty string, got {_show(value)}")
+    return text(f"options.{name}", value, max_bytes=MAX_ID_BYTES, empty=True)
+
+
+def text(what: str, value: Any, *, max_bytes: int = names.MAX_NAME_BYTES,
+         empty: bool = False) -> str:
+    """``value`` if PostgreSQL text can hold it as a name (no NUL, no lone
+    surrogate, at most ``max_bytes`` of UTF-8); else a 400 naming ``what``."""
+    try:
+        return names.check_text(value, what, max_bytes=max_bytes, empty=empty)
+    except ValidationError as exc:
+        raise invalid(str(exc)) from None
+
+
+def path_text(raw_path: bytes | None, value: str, what: str) -> str:
+    """A path parameter as :func:`text` takes it. ``raw_path`` is the request's
+    path as sent: the server percent-decodes invalid UTF-8 (``%ED%A0%80``) to
+    U+FFFD, so the parameter alone can't tell it was never text."""
+    if raw_path is not None:
+        try:
+            unquote_to_bytes(raw_path).decode("utf-8")
+        except UnicodeDecodeError:
+            raise invalid(f"{what}: the request path is not valid UTF-8 once "
+                          "percent-decoded; percent-encode the UTF-8 bytes of the text"
+                          ) from None
+    return text(what, value)
+
+
+# -- JSON the HTTP layer takes -------------------------------------------------------------
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON, strictly: UTF-8, no NaN or Infinity, no number
+    beyond a double; a 400 otherwise. Strings may still hold NUL or lone
+    surrogates (``"\\ud800"`` is valid JSON text): :func:`check_json` them."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
+                          parse_float=_finite_float)
+    except RecursionError:
+        raise invalid(f"the body is not valid JSON: it nests deeper than this server "
+                      f"parses (the limit is {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:
+        raise invalid(f"the body is not valid JSON: {first_line(exc)[:200]}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {raw[:40]} is too large for a double")
     return value
+
+
+def first_line(exc: BaseException) -> str:
+    message = str(exc).strip()
+    return message.splitlines()[0] if message else type(exc).__name__
+
+
+def check_json(value: Any, what: str, *, nul: bool = False) -> None:
+    """Refuse, with a 400 naming ``what`` and the place inside it, a JSON value
+    belay can't store: a string or key holding a NUL (jsonb refuses ``\\u0000``;
+    ``nul=True`` for a value stored as bytea, like a result) or a lone surrogate
+    (not UTF-8), a NaN or infinity, nesting over :data:`MAX_JSON_DEPTH`. Other
+    types pass: belay.codec names those."""
+    # Entries are (value, depth, place); a place is (parent place, key), spelled out
+    # only for the message, so a large value costs no strings.
+    stack: list[tuple[Any, int, Any]] = [(value, 1, None)]
+    while stack:
+        item, depth, place = stack.pop()
+        if isinstance(item, str):
+            problem = names.text_problem(item.replace("\x00", "") if nul else item)
+            if problem is not None:
+                raise invalid(f"{_place(what, place)} {problem}: {_show(item)}")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise invalid(f"{_place(what, place)} is {item!r}, which JSON cannot "
+                              "represent")
+        elif isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise invalid(f"{what} nests deeper than {MAX_JSON_DEPTH} levels; flatten it")
+            if isinstance(item, list):
+                stack.extend((v, depth + 1, (place, i)) for i, v in enumerate(item))
+                continue
+            for key, v in item.items():
+                if isinstance(key, str):
+                    problem = names.text_problem(key)
+                    if problem is not None:
+                        raise invalid(f"a key in {_place(what, place)} {problem}: "
+                                      f"{_show(key)}")
+                stack.append((v, depth + 1, (place, key)))
+
+
+def _place(what: str, place: Any) -> str:
+    steps: list[str] = []
+    while place is not None:
+        place, key = place
+        if isinstance(key, int):
+            steps.append(f"[{key}]")
+        elif isinstance(key, str) and key.isidentifier() and len(key) <= 40:
+            steps.append(f".{key}")
+        else:
+            steps.append(f"[{_show(key)}]")
+    return what + "".join(reversed(steps))
+
+
+def canonical(value: Any) -> str:
+    """``value`` as text that is equal exactly when the values are the same
+    JSON as jsonb keeps it: keys sorted, ``true`` apart from ``1``, ``1`` apart
+    from ``1.0``, and a number as PostgreSQL's numeric prints it (so ``1e16``,
+    which jsonb reads back as the integer 10000000000000000, equals that
+    integer). An idempotent retry is compared this way: Python's ``==`` holds
+    ``True == 1 == 1.0``."""
+    if value is None or isinstance(value, (bool, str)):
+        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        number = Decimal(repr(value))
+        return format(number.copy_abs() if number.is_zero() else number, "f")
+    if isinstance(value, list):
+        return "[" + ",".join(canonical(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(str(key))}:{canonical(item)}"
+                              for key, item in sorted(value.items())) + "}"
+    return repr(value)  # not JSON (an undecodable stored value): equal to nothing sent
 
 
 def _int(name: str, value: Any, low: int, high: int, *, unit: str = "") -> int:

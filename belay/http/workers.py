@@ -38,11 +38,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from belay import store
+from belay import names, store
 from belay.client import Belay
 from belay.crypto import decrypt_input, is_encrypted
-from belay.errors import ConfigurationError
-from belay.http.options import BACKOFF_META
+from belay.errors import ConfigurationError, ValidationError
+from belay.http.app import read_body
+from belay.http.errors import ApiError
+from belay.http.options import (
+    BACKOFF_META,
+    MAX_JSON_DEPTH,
+    check_json,
+    parse_json,
+    path_text,
+    text,
+)
 from belay.job import Job
 from belay.outcome import (
     MESSAGE_LIMIT,
@@ -130,10 +139,12 @@ class Registration:
 
 
 def _name(value: Any, label: str) -> str:
-    if not isinstance(value, str) or not value.strip() or len(value) > 200:
-        raise InvalidRequest(f"{label} must be a non-empty string of at most 200 characters, "
-                             f"got {value!r}")
-    return value
+    """A name belay stores (a kind, a queue, a node's runtime id): names.check_text's
+    rules, so a NUL or a lone surrogate is refused here, not by PostgreSQL later."""
+    try:
+        return text(label, value)
+    except ApiError as exc:
+        raise InvalidRequest(exc.message) from None
 
 
 def parse_registration(body: Any) -> Registration:
@@ -149,14 +160,14 @@ def parse_registration(body: Any) -> Registration:
     if not isinstance(tasks, list) or not tasks:
         raise InvalidRequest("tasks must be a non-empty list of task names (job kinds), "
                              f"got {tasks!r}")
-    names = frozenset(_name(t, "each task") for t in tasks)
+    kinds = frozenset(_name(t, f"tasks[{i}]") for i, t in enumerate(tasks))
     capacity = body.get("capacity", 1)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or not (
             1 <= capacity <= MAX_CAPACITY):
         raise InvalidRequest(f"capacity must be an integer from 1 to {MAX_CAPACITY}, "
                              f"got {capacity!r}")
     queue = _name(body.get("queue", "default"), "queue")
-    return Registration(runtime_id, names, capacity, queue)
+    return Registration(runtime_id, kinds, capacity, queue)
 
 
 def parse_wait(body: Any) -> float:
@@ -195,6 +206,7 @@ def error_entry(error: Any, attempt: int) -> dict[str, Any]:
     if unknown:
         raise InvalidRequest(f"unknown error field(s) {', '.join(unknown)}; an error takes "
                              f"{', '.join(sorted(_ERROR_KEYS))}")
+    _json_value(error.get("details"), "error.details")
     if len(json.dumps(error)) > MAX_ERROR_BYTES:
         raise InvalidRequest(f"the error object is larger than {MAX_ERROR_BYTES} bytes as "
                              "JSON; shorten the traceback or details")
@@ -228,7 +240,18 @@ def parse_completion(body: Any) -> tuple[str, str, Any, Any]:
         raise InvalidRequest("a success carries result, not error")
     if outcome == "failure" and "result" in body:
         raise InvalidRequest("a failure carries error, not result")
+    # A result is stored as bytea JSON, which holds a NUL; error details go to jsonb.
+    _json_value(body.get("result"), "result", nul=True)
+    if outcome == "failure":
+        error_entry(body.get("error"), 1)  # a 400 before the execution is looked up
     return execution_id, outcome, body.get("result"), body.get("error")
+
+
+def _json_value(value: Any, what: str, *, nul: bool = False) -> None:
+    try:
+        check_json(value, what, nul=nul)
+    except ApiError as exc:
+        raise InvalidRequest(exc.message) from None
 
 
 def token_key(token: str) -> str:
@@ -680,9 +703,10 @@ def _guarded(client: Belay) -> Iterator[store.Conn]:
 MAX_BODY = 1_048_576
 
 
-def _error(exc: WorkerError) -> JSONResponse:
-    return JSONResponse({"error": {"code": exc.code, "message": exc.message}},
-                        status_code=exc.status)
+def _error(code: str, message: str, status: int,
+           headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
+                        headers=headers)
 
 
 def _bearer(request: Request, sessions: WorkerSessions) -> str:
@@ -690,6 +714,13 @@ def _bearer(request: Request, sessions: WorkerSessions) -> str:
     token = _token(request)
     sessions.authenticate(token)
     return token
+
+
+def _path_name(request: Request, key: str) -> str:
+    try:
+        return path_text(request.scope.get("raw_path"), request.path_params[key], key)
+    except ApiError as exc:
+        raise InvalidRequest(exc.message) from None
 
 
 def _token(request: Request) -> str:
@@ -702,29 +733,14 @@ def _token(request: Request) -> str:
 
 
 async def _body(request: Request, *, required: bool) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
-        raise _TooLarge()
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise _TooLarge()
+    """The body as strict JSON (no NaN, no number beyond a double); read only
+    after the route checked the token."""
+    raw = await read_body(request, MAX_BODY)
     if not raw.strip():
         if required:
             raise InvalidRequest("the body must be a JSON object")
         return None
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
-
-
-class _TooLarge(WorkerError):
-    code, status = "payload_too_large", 413
-
-    def __init__(self) -> None:
-        super().__init__(f"the body is larger than {MAX_BODY} bytes")
+    return parse_json(raw)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -735,7 +751,13 @@ def _handled(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except WorkerError as exc:
-            return _error(exc)
+            # A 401's body is never read: the connection can't carry another request.
+            return _error(exc.code, exc.message, exc.status,
+                          {"Connection": "close"} if exc.status == 401 else None)
+        except ApiError as exc:  # the shared body checks: strict JSON, the size limit
+            return _error(exc.code, exc.message, exc.status, exc.headers)
+        except ValidationError as exc:  # belay's own checks, before anything is written
+            return _error("invalid_request", str(exc), 400)
     return run
 
 
@@ -763,9 +785,9 @@ def worker_routes(sessions: WorkerSessions, *, token: str | None = None) -> list
 
     async def claim(request: Request) -> Response:
         token = _bearer(request, sessions)
+        queue = _path_name(request, "queue")
         wait = parse_wait(await _body(request, required=False))
-        event = await run_in_threadpool(sessions.claim, token,
-                                        request.path_params["queue"], wait)
+        event = await run_in_threadpool(sessions.claim, token, queue, wait)
         return Response(status_code=204) if event is None else JSONResponse(event)
 
     async def started(request: Request) -> Response:
@@ -819,6 +841,11 @@ def _json_body(schema: dict[str, Any], *, required: bool = True) -> dict[str, An
 
 _BEARER: list[dict[str, list[str]]] = [{"workerToken": []}]
 _EXECUTION_ID = {"type": "string", "minLength": 1}
+#: A name belay stores: at most 255 bytes of UTF-8 (so at most 255 characters),
+#: not blank, no NUL or lone surrogate (belay.names.check_text).
+_NAME = {"type": "string", "minLength": 1, "maxLength": names.MAX_NAME_BYTES,
+         "pattern": "\\S",
+         "description": f"at most {names.MAX_NAME_BYTES} bytes of UTF-8, not blank, no NUL"}
 _OK = {"type": "object"}
 
 #: OpenAPI 3.1 path items of the worker protocol (security scheme ``workerToken``:
@@ -832,11 +859,10 @@ WORKER_OPENAPI_PATHS: dict[str, Any] = {
                 "type": "object", "required": ["runtime_id", "tasks"],
                 "additionalProperties": False,
                 "properties": {
-                    "runtime_id": {"type": "string", "minLength": 1, "maxLength": 200},
-                    "tasks": {"type": "array", "minItems": 1, "items": {
-                        "type": "string", "minLength": 1, "maxLength": 200}},
+                    "runtime_id": _NAME,
+                    "tasks": {"type": "array", "minItems": 1, "items": _NAME},
                     "capacity": {"type": "integer", "minimum": 1, "maximum": MAX_CAPACITY},
-                    "queue": {"type": "string", "minLength": 1, "maxLength": 200},
+                    "queue": _NAME,
                 },
             }),
             "responses": {"201": {"description": "the session", "content": {
@@ -860,7 +886,7 @@ WORKER_OPENAPI_PATHS: dict[str, Any] = {
             "operationId": "claimJob",
             "security": _BEARER,
             "parameters": [{"name": "queue", "in": "path", "required": True,
-                            "schema": {"type": "string"}}],
+                            "schema": _NAME}],
             "requestBody": _json_body({
                 "type": "object", "additionalProperties": False,
                 "properties": {"wait_ms": {"type": "integer", "minimum": 0,
@@ -906,11 +932,15 @@ WORKER_OPENAPI_PATHS: dict[str, Any] = {
                     "execution_id": _EXECUTION_ID,
                     "reservation_id": {"type": "string"},
                     "outcome": {"enum": ["success", "failure"]},
-                    "result": {},
+                    "result": {"description": f"any JSON nested at most {MAX_JSON_DEPTH} "
+                                              "levels; no lone surrogate"},
                     "error": {"type": "object", "required": ["message"],
                               "additionalProperties": False, "properties": {
                                   "message": {"type": "string"}, "type": {"type": "string"},
-                                  "traceback": {"type": "string"}, "details": {}}},
+                                  "traceback": {"type": "string"},
+                                  "details": {"description": f"any JSON nested at most "
+                                                             f"{MAX_JSON_DEPTH} levels; no "
+                                                             "NUL or lone surrogate"}}},
                 }}),
             "responses": {"200": {"description": "recorded: the job's new state", "content": {
                 "application/json": {"schema": {"type": "object", "properties": {
