@@ -6,6 +6,10 @@ over stdio (what desktop and IDE agents spawn); ``--transport http`` serves
 streamable HTTP at ``http://HOST:PORT/mcp``. Every mutating tool is listed but
 refused unless the server was started with ``--allow-mutations`` or an
 ``--authorizer``; a refusal reaches the agent as a tool error.
+
+Every argument goes through :mod:`belay.ops`'s checks before any SQL (the
+integers before pydantic's lax coercion, which would take ``True`` for 1 and
+``"1_0"`` for 10); a bad one is a tool error naming it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ try:
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
     from mcp_types import ToolAnnotations
-    from pydantic import Field
+    from pydantic import BeforeValidator, Field
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         f"belay mcp needs the 'mcp' package ({exc}): pip install 'belay[mcp]'"
@@ -53,7 +57,15 @@ _MUTATION_NOTE = (
 
 _T = TypeVar("_T")
 
-JobId = Annotated[int, Field(description="a job id (belay_jobs.id)")]
+
+def _integer(what: str, low: int = 1, high: int = ops.MAX_ID) -> BeforeValidator:
+    """The raw argument through ops.int_arg (None passes: the parameter's default)."""
+    return BeforeValidator(
+        lambda value: None if value is None else ops.int_arg(value, what, low=low, high=high))
+
+
+JobId = Annotated[int, BeforeValidator(lambda value: ops.id_arg(value, "job_id")),
+                  Field(description="a job id (belay_jobs.id)")]
 
 
 def instructions(guard: ops.Guard) -> str:
@@ -120,17 +132,21 @@ def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
         state: Annotated[str | None, Field(description=f"one of {', '.join(STATES)}")] = None,
         kind: str | None = None,
         workflow_id: str | None = None,
-        parent_id: Annotated[int | None, Field(description="only children of this job")] = None,
-        before_id: Annotated[int | None, Field(
+        parent_id: Annotated[int | None, _integer("parent_id"),
+                             Field(description="only children of this job")] = None,
+        before_id: Annotated[int | None, _integer("before_id"), Field(
             description="page: only jobs with a smaller id (pass next_before_id)")] = None,
-        limit: Annotated[int, Field(description="1 to 10000")] = 50,
+        limit: Annotated[int, _integer("limit", 1, 10_000),
+                         Field(description="1 to 10000")] = 50,
     ) -> dict[str, Any]:
         """Jobs newest first, filtered by queue, state, kind, workflow or parent.
         When a page is full, next_before_id is the before_id of the next page."""
         def run() -> dict[str, Any]:
-            jobs = client.list_jobs(queue=queue, state=state, kind=kind,
-                                    workflow_id=workflow_id, parent_id=parent_id,
-                                    before_id=before_id, limit=limit)
+            jobs = client.list_jobs(
+                queue=_name(queue, "queue"),
+                state=None if state is None else ops.state_arg(state),
+                kind=_name(kind, "kind"), workflow_id=_name(workflow_id, "workflow_id"),
+                parent_id=parent_id, before_id=before_id, limit=limit)
             return {"jobs": [ops.job_line(job) for job in jobs], "count": len(jobs),
                     "next_before_id": jobs[-1].id if len(jobs) == limit else None}
         return _call(run)
@@ -147,16 +163,14 @@ def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
     @tool(read)
     def job_events(
         job_id: JobId,
-        after: Annotated[int, Field(description="only events with a larger seq; 0: all")] = 0,
-        limit: Annotated[int, Field(description="at most this many events (1-1000)")] = 200,
+        after: Annotated[int, _integer("after", 0),
+                         Field(description="only events with a larger seq; 0: all")] = 0,
+        limit: Annotated[int, _integer("limit", 1, 1000),
+                         Field(description="at most this many events (1-1000)")] = 200,
     ) -> dict[str, Any]:
         """A job's events after sequence number ``after``, in order, at most
         ``limit``; call again with ``after=last_seq`` for more (``more`` says
         whether there are), or to follow a running job."""
-        if after < 0:
-            raise ToolError(f"after is a seq >= 0 (0 for every event), got {after}")
-        if not 1 <= limit <= 1000:
-            raise ToolError(f"limit is 1 to 1000, got {limit}")
 
         def run() -> dict[str, Any] | None:
             with client.connection() as conn:
@@ -178,7 +192,7 @@ def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
     def workflow_status(workflow_id: str) -> dict[str, Any]:
         """A workflow's members (name, id, kind, state, deps), its dependency
         edges, counts by state, and whether every member is terminal."""
-        status = _call(lambda: client.workflow_status(workflow_id))
+        status = _call(lambda: client.workflow_status(ops.name_arg(workflow_id, "workflow_id")))
         if not status.jobs:
             raise ToolError(f"no workflow {workflow_id!r} (no job has that workflow_id)")
         return ops.workflow_view(status)
@@ -268,6 +282,11 @@ def _call(fn: Callable[[], _T]) -> _T:
     except psycopg.DataError as exc:  # a value PostgreSQL can't take, like a NUL
         raise ToolError(f"the database refused a value of this call: {str(exc).strip()}") \
             from exc
+
+
+def _name(value: str | None, what: str) -> str | None:
+    """An optional name argument, checked as belay checks stored names."""
+    return None if value is None else ops.name_arg(value, what)
 
 
 def _no_job(job_id: int) -> str:

@@ -14,12 +14,14 @@ message reaches whoever asked.
 from __future__ import annotations
 
 import importlib
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from belay import store
+from belay import names, store
 from belay.codec import Opaque
 from belay.errors import BelayError, ConfigurationError, JobNotFound, ValidationError
 from belay.job import STATES, Event, Job, Step, WorkflowStatus
@@ -29,6 +31,21 @@ MUTATIONS: Final = ("retry_job", "cancel_job", "signal", "steer_job")
 
 #: How far back a queue's "rate" looks: jobs finished per minute.
 RATE_WINDOW = timedelta(seconds=60)
+
+#: The arguments each mutation takes.
+MUTATION_ARGS: Final[Mapping[str, tuple[str, ...]]] = {
+    "retry_job": ("job_id",), "cancel_job": ("job_id",),
+    "signal": ("job_id", "name", "payload"), "steer_job": ("job_id", "payload"),
+}
+
+#: The largest id (and seq) a bigint column holds.
+MAX_ID: Final = 2**63 - 1
+
+#: How deep a signal or steering payload may nest (``{"a": [1]}`` is 2 deep).
+#: jsonb takes far deeper values, and the codec's own limit is 255; an
+#: operator's payload is a small object, and a parser that recurses must stop
+#: somewhere well short of Python's recursion limit.
+MAX_JSON_DEPTH: Final = 64
 
 Authorizer = Callable[[str, dict[str, Any]], object]
 
@@ -188,6 +205,112 @@ def queue_overview(client: Any) -> list[dict[str, Any]]:
     return [queues[name] for name in sorted(queues)]
 
 
+# -- Arguments ---------------------------------------------------------------------
+#
+# Every value an operator surface takes from outside (a dashboard query parameter,
+# path segment or JSON body field, an MCP tool argument, a mutation's argument) goes
+# through these before any SQL runs, each refusal a ValidationError naming the field.
+
+_ASCII_DIGITS = re.compile(r"[0-9]{1,20}")
+
+
+def shown(value: object) -> str:
+    """``value`` for an error message: short, one line, and safe to build for
+    anything (a repr of a list nested 2,000 deep would raise RecursionError)."""
+    if isinstance(value, str):
+        return repr(value[:40] + "…" if len(value) > 40 else value)
+    if value is None or isinstance(value, (bool, float)) or (
+            isinstance(value, int) and abs(value) < 10**20):
+        return repr(value)
+    if isinstance(value, int):
+        return f"a {value.bit_length()}-bit integer"
+    return f"a {type(value).__name__}"
+
+
+def int_arg(value: object, what: str, *, low: int = 1, high: int = MAX_ID,
+            means: str | None = None) -> int:
+    """``value`` (an int, or ASCII digits in a str as a query string carries them)
+    as an int from ``low`` to ``high``. Refuses booleans, floats and the other
+    digits ``str.isdigit()`` accepts (``"²"``, ``"٣"``)."""
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip(" \t\r\n")
+        if _ASCII_DIGITS.fullmatch(text):
+            number = int(text)
+    if number is None or not low <= number <= high:
+        raise ValidationError(f"{what} is {means or f'an integer from {low} to {high}'}, "
+                              f"got {shown(value)}")
+    return number
+
+
+def id_arg(value: object, what: str = "job_id") -> int:
+    """A job id: an integer from 1 to 2**63 - 1 (bigint)."""
+    return int_arg(value, what, means=f"a job id (an integer from 1 to {MAX_ID})")
+
+
+def name_arg(value: object, what: str, *, max_bytes: int = names.MAX_NAME_BYTES) -> str:
+    """A name belay stores or filters by: text PostgreSQL can hold (no NUL, no lone
+    surrogate), non-empty, at most ``max_bytes`` bytes of UTF-8."""
+    return names.check_text(value, what, max_bytes=max_bytes)
+
+
+def state_arg(value: object, what: str = "state") -> str:
+    if not isinstance(value, str) or value not in STATES:
+        raise ValidationError(f"unknown {what} {shown(value)}; states are {', '.join(STATES)}")
+    return value
+
+
+def object_arg(value: object, what: str, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A JSON object jsonb can store: str keys, no NUL or lone surrogate in any
+    key or string, no NaN or infinity, at most ``max_depth`` levels deep.
+    Walked without recursion, so no depth breaks the check itself."""
+    if not isinstance(value, Mapping):
+        raise ValidationError(f"{what} is a JSON object, got {type(value).__name__}")
+    stack: list[tuple[object, int, str]] = [(value, 1, "")]
+    while stack:
+        item, depth, where = stack.pop()
+        if isinstance(item, (Mapping, list, tuple)):
+            if depth > max_depth:
+                raise ValidationError(f"{what} nests deeper than {max_depth} levels (the limit "
+                                      "for operator payloads); send a flatter object")
+            if isinstance(item, Mapping):
+                for key, child in item.items():
+                    if not isinstance(key, str):
+                        raise ValidationError(f"{what}{where} has a key that is not a string: "
+                                              f"{shown(key)}")
+                    problem = names.text_problem(key)
+                    if problem is not None:
+                        raise ValidationError(f"{what}{where} has a key that {problem}: "
+                                              f"{shown(key)}")
+                    stack.append((child, depth + 1, f"{where}[{shown(key)}]"))
+            else:
+                stack.extend((child, depth + 1, f"{where}[{index}]")
+                             for index, child in enumerate(item))
+        elif isinstance(item, str):
+            problem = names.text_problem(item)
+            if problem is not None:
+                raise ValidationError(f"{what}{where} {problem}: {shown(item)}")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise ValidationError(f"{what}{where} is {item!r}, which JSON cannot represent")
+        elif item is not None and not isinstance(item, (bool, int)):
+            raise ValidationError(f"{what}{where} is a {type(item).__name__}; JSON has "
+                                  "objects, arrays, strings, numbers, booleans and null")
+    return dict(value)
+
+
+def signal_name_arg(value: object, what: str = "name") -> str:
+    if not isinstance(value, str) or not value:
+        raise ValidationError(f"signal needs {what}, a non-empty string, got {shown(value)}")
+    name_arg(value, f"{what} (the signal name)")
+    if value.startswith(names.RESERVED_PREFIX):
+        raise ValidationError(f"{what}: signal names starting with '$' are reserved for belay "
+                              f"({shown(value)}); use steer_job for steering")
+    return value
+
+
 # -- Mutations ---------------------------------------------------------------------
 
 
@@ -250,30 +373,39 @@ class Guard:
 
 def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
     """Run one of :data:`MUTATIONS` after ``guard`` allows it; returns what
-    happened as JSON-ready data. Bad arguments raise ValidationError before the
-    guard is asked."""
-    if tool not in MUTATIONS:
-        raise ValidationError(f"unknown mutation {tool!r}; mutations are {', '.join(MUTATIONS)}")
-    job_id = _int_arg(args, "job_id")
+    happened as JSON-ready data. Bad arguments (an unknown one, a bad id, a
+    signal name or payload PostgreSQL can't store) raise ValidationError
+    before any SQL runs and before the guard is asked."""
+    if not isinstance(tool, str) or tool not in MUTATIONS:
+        raise ValidationError(f"unknown mutation {shown(tool)}; mutations are "
+                              f"{', '.join(MUTATIONS)}")
+    if not isinstance(args, Mapping):
+        raise ValidationError(f"{tool}'s arguments are a JSON object, got {type(args).__name__}")
+    takes = MUTATION_ARGS[tool]
+    unknown = sorted(shown(key) for key in args if key not in takes)
+    if unknown:
+        raise ValidationError(f"{tool} takes {', '.join(takes)}; unknown argument(s) "
+                              f"{', '.join(unknown)}")
+    job_id = id_arg(args.get("job_id"), "job_id")
     if tool == "signal":
-        name = args.get("name")
-        if not isinstance(name, str) or not name:
-            raise ValidationError("signal needs name, a non-empty string")
-        payload = args.get("payload") or {}
-        if not isinstance(payload, Mapping):
-            raise ValidationError(f"a signal payload is a JSON object, got {payload!r}")
+        name = signal_name_arg(args.get("name"))
+        raw = args.get("payload")
+        if raw is not None and not isinstance(raw, Mapping):
+            raise ValidationError(f"a signal payload is a JSON object, got {shown(raw)}")
+        payload = object_arg({} if raw is None else raw, "payload")
         _exists(client, job_id)
-        guard.check(tool, {"job_id": job_id, "name": name, "payload": dict(payload)})
-        woken = client.signal_job(job_id, name, dict(payload))
+        guard.check(tool, {"job_id": job_id, "name": name, "payload": payload})
+        woken = client.signal_job(job_id, name, payload)
         return {"job_id": job_id, "signal": name, "woken": woken}
     if tool == "steer_job":
-        payload = args.get("payload")
-        if not isinstance(payload, Mapping):
-            raise ValidationError(f"steering is a JSON object like {{\"instruction\": \"…\"}}, "
-                                  f"got {payload!r}")
+        raw = args.get("payload")
+        if not isinstance(raw, Mapping):
+            raise ValidationError(f"steering is a JSON object like {{\"instruction\": \"…\"}} "
+                                  f"in payload, got {shown(raw)}")
+        payload = object_arg(raw, "payload")
         _exists(client, job_id)
-        guard.check(tool, {"job_id": job_id, "payload": dict(payload)})
-        woken = client.steer_job(job_id, dict(payload))
+        guard.check(tool, {"job_id": job_id, "payload": payload})
+        woken = client.steer_job(job_id, payload)
         return {"job_id": job_id, "steered": True, "woken": woken}
     guard.check(tool, {"job_id": job_id})
     if tool == "cancel_job":
@@ -286,12 +418,3 @@ def _exists(client: Any, job_id: int) -> None:
     every surface answers not found instead."""
     if client.get_job(job_id) is None:
         raise JobNotFound(job_id)
-
-
-def _int_arg(args: Mapping[str, Any], name: str) -> int:
-    value = args.get(name)
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValidationError(f"{name} is a job id (an integer >= 1), got {value!r}")
-    return value

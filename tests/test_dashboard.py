@@ -58,15 +58,17 @@ class Reply:
         return json.loads(self.body)
 
 
-def call(app: Any, method: str, path: str, *, query: str = "", body: Any = None,
+def call(app: Any, method: str, path: str | bytes, *, query: str = "", body: Any = None,
          headers: Mapping[str, str] | None = None, script_name: str = "") -> Reply:
-    """One request through the WSGI app; ``body`` (not bytes) is sent as JSON."""
+    """One request through the WSGI app; ``body`` (not bytes) is sent as JSON.
+    A ``bytes`` path is the raw, percent-decoded path a server puts in PATH_INFO."""
     environ: dict[str, Any] = {}
     setup_testing_defaults(environ)
     raw = body if isinstance(body, bytes) else (b"" if body is None else
                                                 json.dumps(body).encode())
     environ.update({
-        "REQUEST_METHOD": method, "PATH_INFO": path.encode().decode("latin-1"),
+        "REQUEST_METHOD": method,
+        "PATH_INFO": (path if isinstance(path, bytes) else path.encode()).decode("latin-1"),
         "SCRIPT_NAME": script_name, "QUERY_STRING": query, "HTTP_HOST": HOST,
         "wsgi.input": io.BytesIO(raw), "CONTENT_LENGTH": str(len(raw)),
     })
@@ -275,11 +277,24 @@ def pages_size() -> int:
     ("state=bogus", "unknown state 'bogus'"),
     ("parent=abc", "parent is a job id"),
     ("before_id=-3", "before_id is a job id"),
-    ("kind=a%00b", "the database refused a value"),
+    ("kind=a%00b", "kind contains a NUL character"),
+    # str.isdigit() takes these and int() refuses "²" (a 500) or reads "٣" as 3.
+    ("before_id=%C2%B2", "before_id is a job id"),
+    ("parent=%C2%B2", "parent is a job id"),
+    ("before_id=%D9%A3", "before_id is a job id"),
+    ("limit=%C2%B2", "limit is an integer from 1 to 500"),
+    ("limit=%D9%A3", "limit is an integer from 1 to 500"),
+    ("before_id=99999999999999999999999", "before_id is a job id"),
+    # The UTF-8 of a surrogate is not UTF-8: refused, not read as U+FFFD.
+    ("kind=%ED%A0%80", "kind contains a lone surrogate"),
+    ("queue=%FF", "queue contains a lone surrogate"),
+    ("workflow=" + "w" * 256, "workflow is 256 bytes long; the limit is 255"),
+    ("state=%00", "unknown state"),
 ])
 def test_a_bad_filter_is_a_400_naming_the_problem(app, query, says):
     page = call(app, "GET", "/jobs", query=query)
-    assert page.status == 400 and says in html.unescape(page.text)
+    if not query.startswith("limit="):  # the page has no limit
+        assert page.status == 400 and says in html.unescape(page.text)
     api = call(app, "GET", "/api/jobs", query=query)
     assert api.status == 400 and says in api.json["error"]
 
@@ -516,15 +531,69 @@ def test_an_action_is_json_or_nothing(sql_conn, token_app):
     ("signal", {}, 400, "signal needs name"),
     ("signal", {"name": "go", "payload": [1]}, 400, "a signal payload is a JSON object"),
     ("steer", {"payload": "stop"}, 400, "steering is a JSON object"),
-    ("signal", {"name": "go\u0000"}, 400, "the database refused a value"),
+    ("signal", {"name": "go\u0000"}, 400, "name (the signal name) contains a NUL"),
+    ("signal", {"name": "g" * 256}, 400, "name (the signal name) is 256 bytes long"),
+    ("signal", {"name": "go", "payload": {"a": ["\u0000"]}}, 400,
+     "payload['a'][0] contains a NUL character"),
+    ("signal", {"name": "go", "payload": {"\u0000": 1}}, 400, "payload has a key that contains"),
+    ("signal", {"name": "go", "payload": None, "extra": 1}, 400, "unknown argument(s) 'extra'"),
+    ("signal", {"name": "$steer"}, 400, "reserved for belay"),
+    ("cancel", {"job_id": 1}, 400, "job_id is not a body field"),
+    ("signal", b'{"name": "\\ud800"}', 400, "name (the signal name) contains a lone surrogate"),
+    ("signal", b'{"name": "go", "payload": {"a": NaN}}', 400, "payload['a'] is nan"),
+    ("steer", b'{"payload": {"a": -Infinity}}', 400, "payload['a'] is -inf"),
+    ("steer", b'{"payload": {"a": 1e999}}', 400, "payload['a'] is inf"),
+    ("steer", b'{"payload": {"a": "\\udfff"}}', 400, "payload['a'] contains a lone surrogate"),
+    ("steer", b'{"payload": {"x": 1}}\xff', 400, "not valid UTF-8"),
+    # Nested 2,000 deep: json.loads would recurse past Python's limit (a 500).
+    ("steer", b'{"payload": {"a": ' + b"[" * 2000 + b"]" * 2000 + b"}}", 400,
+     "payload nests deeper than 64 levels"),
+    ("steer", b'{"payload": {"a": ' + b"[" * 64 + b"]" * 64 + b"}}", 400,
+     "payload nests deeper than 64 levels"),
+    ("signal", b'{"name": "go", "payload": {"\\"[{": ' + b"[" * 100 + b"]" * 100 + b"}}", 400,
+     "payload nests deeper than 64 levels"),
+    ("signal", b"[" * 3000 + b"]" * 3000, 400, "the request body nests deeper than 64"),
     ("retry", {}, 409, "only failed or cancelled jobs can be retried"),
     ("explode", {}, 404, "no action at POST"),
 ])
 def test_bad_actions_are_refused_with_a_reason(sql_conn, token_app, action, body, status, says):
     ready = insert_job(sql_conn)
-    reply = post(token_app, ready, action, body, token=TOKEN)
+    headers = {"Content-Type": "application/json"} if isinstance(body, bytes) else {}
+    reply = post(token_app, ready, action, body, token=TOKEN, **headers)
     assert reply.status == status and says in reply.json["error"]
     assert job_row(sql_conn, ready)["state"] == "ready" and signal_rows(sql_conn) == []
+
+
+def test_a_payload_63_levels_deep_is_taken(sql_conn, token_app):
+    ready = insert_job(sql_conn)
+    body = b'{"payload": {"a": ' + b"[" * 63 + b"]" * 63 + b"}}"
+    reply = post(token_app, ready, "steer", body, token=TOKEN,
+                 **{"Content-Type": "application/json"})
+    assert reply.status == 200, reply.json
+    assert [row["name"] for row in signal_rows(sql_conn)] == ["$steer"]
+
+
+@pytest.mark.parametrize(("method", "path", "says"), [
+    ("GET", "/api/jobs/\u0663", "the job id in the path is a job id"),
+    ("GET", "/jobs/\u0663", "the job id in the path is a job id"),
+    ("GET", "/api/jobs/1\u00b2", "the job id in the path is a job id"),
+    ("GET", "/api/jobs/99999999999999999999", "the job id in the path is a job id"),
+    ("POST", "/api/jobs/\u0661/cancel", "the job id in the path is a job id"),
+    ("GET", b"/api/jobs/\xed\xa0\x80", "the path contains a lone surrogate"),
+    ("GET", b"/jobs/\xff", "the path contains a lone surrogate"),
+    ("POST", b"/api/jobs/\xed\xa0\x80/cancel", "the path contains a lone surrogate"),
+    ("GET", "/api/jobs/1\u0000", "the path contains a NUL character"),
+])
+def test_a_bad_path_segment_is_a_400_naming_it(sql_conn, token_app, method, path, says):
+    """A WSGI server hands PATH_INFO over percent-decoded, as latin-1: ``bytes``
+    here are a path's raw bytes (``/api/jobs/%ED%A0%80`` arrives as the first)."""
+    ready = insert_job(sql_conn)
+    reply = call(token_app, method, path, body={} if method == "POST" else None,
+                 headers={"Authorization": f"Bearer {TOKEN}"})
+    assert reply.status == 400, (reply.status, reply.body)
+    api = (path if isinstance(path, str) else path.decode("latin-1")).startswith("/api/")
+    assert says in (reply.json["error"] if api else html.unescape(reply.text))
+    assert job_row(sql_conn, ready)["state"] == "ready"
 
 
 def test_an_action_on_a_missing_job_is_a_404(token_app):

@@ -471,7 +471,7 @@ def test_http_on_a_port_in_use_exits_2_naming_the_fix(db_url: str) -> None:
 
 
 def test_bad_arguments_are_tool_errors_with_the_clients_message(
-    client: Belay, seed: Seed
+    client: Belay, seed: Seed, sql_conn: Conn
 ) -> None:
     def message(call: Callable[[], Any]) -> str:
         with pytest.raises((ValidationError, JobNotFound, NotRetryable)) as caught:
@@ -498,6 +498,18 @@ def test_bad_arguments_are_tool_errors_with_the_clients_message(
             "retry_succeeded": ("retry_job", {"job_id": seed.kid}),
             "no_such_tool": ("drop_everything", {}),
             "nul_kind": ("list_jobs", {"kind": "a\x00b"}),
+            # pydantic's lax ints take these as 1, 3 and 10; psycopg can't send the rest.
+            "id_bool": ("get_job", {"job_id": True}),
+            "id_arabic": ("cancel_job", {"job_id": "\u0663"}),
+            "id_underscore": ("retry_job", {"job_id": "1_0"}),
+            "id_superscript": ("get_job", {"job_id": "\u00b2"}),
+            "id_huge": ("list_jobs", {"before_id": 2**70}),
+            "after_huge": ("job_events", {"job_id": seed.agent, "after": 2**64}),
+            "surrogate_kind": ("list_jobs", {"kind": "\ud800"}),
+            "long_queue": ("list_jobs", {"queue": "q" * 256}),
+            "surrogate_workflow": ("workflow_status", {"workflow_id": "wf\udfff"}),
+            "nul_signal": ("signal", {"job_id": seed.agent, "name": "go\x00"}),
+            "payload_nul": ("steer_job", {"job_id": seed.agent, "payload": {"a": ["\x00"]}}),
         }
         out = {key: refused(await mcp.call_tool(tool, args))
                for key, (tool, args) in calls.items()}
@@ -505,23 +517,36 @@ def test_bad_arguments_are_tool_errors_with_the_clients_message(
         out["still_serving"] = json.dumps(ok(await mcp.call_tool("get_job", {"job_id": seed.kid})))
         return out
 
+    before = snapshot(sql_conn, seed)
     out = session(server, body)
+    assert snapshot(sql_conn, seed) == before
     assert "job_id" in out["job_id_text"] and "integer" in out["job_id_text"]
     assert "job_id" in out["job_id_missing"] and "required" in out["job_id_missing"].lower()
     assert "limit" in out["limit_type"]
-    assert message(lambda: client.list_jobs(limit=0)) in out["limit_zero"]
+    assert "limit is an integer from 1 to 10000, got 0" in out["limit_zero"]
     assert message(lambda: client.list_jobs(state="sleeping")) in out["state"]
-    assert "after is a seq >= 0" in out["after"]
+    assert "after is an integer from 0 to" in out["after"]
     assert "no job 987654" in out["events_missing"]
-    assert "limit is 1 to 1000, got 0" in out["events_limit"]
+    assert "limit is an integer from 1 to 1000, got 0" in out["events_limit"]
     assert "payload" in out["payload_type"]
     assert "signal needs name, a non-empty string" in out["signal_name"]
     assert "payload" in out["steer_missing"] and "required" in out["steer_missing"].lower()
-    assert "job_id is a job id (an integer >= 1), got 0" in out["mutate_id"]
+    assert "job_id is a job id (an integer from 1 to 9223372036854775807), got 0" \
+        in out["mutate_id"]
     assert message(lambda: client.cancel_job(987654)) in out["cancel_missing"]
     assert message(lambda: client.retry_job(seed.kid)) in out["retry_succeeded"]
     assert "drop_everything" in out["no_such_tool"]
-    assert "the database refused a value of this call" in out["nul_kind"]
+    assert "kind contains a NUL character" in out["nul_kind"]
+    for key in ("id_bool", "id_arabic", "id_underscore", "id_superscript"):
+        assert "job_id is a job id" in out[key], out[key]
+    assert "before_id is an integer from 1 to 9223372036854775807" in out["id_huge"]
+    assert "after is an integer from 0 to 9223372036854775807" in out["after_huge"]
+    assert "kind contains a lone surrogate" in out["surrogate_kind"]
+    assert "queue is 256 bytes long; the limit is 255" in out["long_queue"]
+    assert "workflow_id contains a lone surrogate" in out["surrogate_workflow"]
+    assert "name (the signal name) contains a NUL" in out["nul_signal"]
+    assert "payload['a'][0] contains a NUL" in out["payload_nul"]
+    assert "Error executing tool" in out["surrogate_kind"]  # a tool error, not a crash
     assert json.loads(out["still_serving"])["job"]["state"] == "succeeded"
 
 

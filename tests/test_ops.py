@@ -4,6 +4,8 @@ guard's refusals are checked against the database, not just the exception."""
 
 from __future__ import annotations
 
+import math
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +26,7 @@ from belay.ops import (
 )
 from tests import helpers
 from tests.helpers import START
+from tests.strategies import deep
 
 Conn = psycopg.Connection[Any]
 
@@ -178,15 +181,48 @@ def test_an_authorizer_overrides_allow(client: belay.Belay) -> None:
     ("signal", {"job_id": 1}, "signal needs name"),
     ("signal", {"job_id": 1, "name": "go", "payload": [1]}, "a signal payload is a JSON object"),
     ("steer_job", {"job_id": 1, "payload": "left"}, "steering is a JSON object"),
+    # str.isdigit() takes these: int() refuses "²" (a ValueError), reads "٣" as 3.
+    ("cancel_job", {"job_id": "\u00b2"}, "job_id is a job id"),
+    ("cancel_job", {"job_id": "\u0663"}, "job_id is a job id"),
+    ("retry_job", {"job_id": 2**63}, "job_id is a job id"),
+    ("retry_job", {"job_id": 1.0}, "job_id is a job id"),
+    ("signal", {"job_id": 1, "name": "go\x00"}, "name (the signal name) contains a NUL"),
+    ("signal", {"job_id": 1, "name": "\udfff"}, "name (the signal name) contains a lone"),
+    ("signal", {"job_id": 1, "name": "n" * 256}, "name (the signal name) is 256 bytes long"),
+    ("signal", {"job_id": 1, "name": "$steer"}, "reserved for belay"),
+    ("signal", {"job_id": 1, "name": "go", "payload": []}, "a signal payload is a JSON object"),
+    ("signal", {"job_id": 1, "name": "go", "payload": {"a": {"b": math.nan}}},
+     "payload['a']['b'] is nan"),
+    ("signal", {"job_id": 1, "name": "go", "payload": {1: "x"}}, "payload has a key that is not"),
+    ("signal", {"job_id": 1, "name": "go", "payload": {"a": {1, 2}}}, "payload['a'] is a set"),
+    ("steer_job", {"job_id": 1, "payload": {"a": deep(2_000)}},
+     "payload nests deeper than 64 levels"),
+    ("steer_job", {"job_id": 1, "payload": {"a": "\ud800"}}, "payload['a'] contains a lone"),
+    ("steer_job", {"job_id": 1, "payload": {}, "name": "x"}, "unknown argument(s) 'name'"),
+    ("cancel_job", {"job_id": 1, "force": True}, "unknown argument(s) 'force'"),
 ])
 def test_bad_arguments_are_refused_before_the_authorizer_is_asked(
-    client: belay.Belay, tool: str, args: dict[str, Any], message: str
+    client: belay.Belay, sql_conn: Conn, tool: str, args: dict[str, Any], message: str
 ) -> None:
+    job = helpers.insert_job(sql_conn)
+    assert job == 1
     asked: list[str] = []
     guard = Guard(authorizer=lambda tool, args: asked.append(tool))
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
         mutate(client, guard, tool, args)
     assert asked == []
+    assert helpers.job_row(sql_conn, job)["state"] == "ready"
+    assert helpers.signal_rows(sql_conn) == []
+
+
+def test_arguments_that_fit_pass_as_given(client: belay.Belay, sql_conn: Conn) -> None:
+    job = helpers.insert_job(sql_conn)
+    payload = {"a": deep(62), "b": ["\u00b2", 10**30, -1.5, None, True], "\u0663": "\u202e"}
+    mutate(client, Guard(allow=True), "steer_job", {"job_id": f" {job} ", "payload": payload})
+    mutate(client, Guard(allow=True), "signal", {"job_id": job, "name": "\u00e9" * 127})
+    rows = helpers.signal_rows(sql_conn)
+    assert [row["name"] for row in rows] == ["$steer", "\u00e9" * 127]
+    assert rows[0]["payload"] == payload
 
 
 def test_a_broken_authorizer_module_is_a_configuration_error(tmp_path, monkeypatch) -> None:

@@ -9,6 +9,9 @@ Routes, below the mount point: ``/`` (queues and recent jobs), ``/jobs``
 (filtered list), ``/jobs/<id>``, ``/workflow?id=…``, the JSON the pages poll
 (``/api/overview``, ``/api/jobs``, ``/api/jobs/<id>``, ``/api/workflow?id=…``)
 and the mutations ``POST /api/jobs/<id>/retry|cancel|signal|steer``.
+
+Every query parameter, path segment and body field read here goes through
+:mod:`belay.ops`'s argument checks before any SQL: a bad one is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import psycopg
 
-from belay import ops
+from belay import names, ops
 from belay.dashboard import pages
 from belay.errors import JobNotFound, NotRetryable, SchemaError, ValidationError
 
@@ -54,6 +57,7 @@ STATIC: Mapping[str, str] = {
 }
 MAX_BODY = 64 * 1024
 PAGE_SIZE = 50
+MAX_LIMIT = 500
 RECENT = 15
 
 READ_ONLY_HINT = (
@@ -173,13 +177,16 @@ class Dashboard:
         path = request.path or "/"
         api = path.startswith("/api/")
         try:
+            problem = names.text_problem(path)
+            if problem is not None:  # e.g. /api/jobs/%ED%A0%80, a surrogate's UTF-8
+                raise _Failure(400, f"the path {problem}: {ops.shown(path)}")
             if request.method == "POST":
-                match = re.fullmatch(r"/api/jobs/(\d+)/(\w+)", path)
+                match = re.fullmatch(r"/api/jobs/([^/]+)/([^/]+)", path)
                 if match is None or match[2] not in ACTIONS:
                     raise _Failure(404 if _known_get(path) is None else 405,
                                    f"no action at POST {path}; actions are POST "
                                    "/api/jobs/<id>/retry, cancel, signal or steer")
-                return self._mutate(request, access, int(match[1]), ACTIONS[match[2]])
+                return self._mutate(request, access, match[1], ACTIONS[match[2]])
             if request.method not in ("GET", "HEAD"):
                 raise _Failure(405, f"{request.method} is not served here")
             route = _known_get(path)
@@ -220,8 +227,9 @@ class Dashboard:
                 return _json(200, data)
             return _page(200, pages.overview(page, data["queues"], data["recent"]))
         if name in ("jobs", "api_jobs"):
-            filters, before_id, limit = _list_args(request.query, api=name == "api_jobs")
-            data = self.jobs(filters, before_id, limit)
+            filters, parent, before_id, limit = _list_args(request.query,
+                                                           api=name == "api_jobs")
+            data = self.jobs(filters, before_id, limit, parent)
             if name == "api_jobs":
                 return _json(200, data)
             api = page.url("/api/jobs", **filters,
@@ -230,15 +238,17 @@ class Dashboard:
                                               data["next_before_id"], api))
         if name in ("job", "api_job"):
             assert arg is not None
-            detail = ops.job_detail(self.client, _job_id(arg))
+            job_id = ops.id_arg(arg, "the job id in the path")
+            detail = ops.job_detail(self.client, job_id)
             if detail is None:
-                raise JobNotFound(int(arg))
+                raise JobNotFound(job_id)
             if name == "api_job":
                 return _json(200, detail)
             return _page(200, pages.job_page(page, detail))
         workflow_id = request.query.get("id", "")
         if not workflow_id:
             raise _Failure(400, "name the workflow: ?id=<workflow id>")
+        ops.name_arg(workflow_id, "id (the workflow id)")
         status = self.client.workflow_status(workflow_id)
         if not status.jobs:
             raise _Failure(404, f"workflow {workflow_id!r} has no jobs (never enqueued, or "
@@ -256,20 +266,22 @@ class Dashboard:
                 "recent": [ops.job_line(j) for j in self.client.list_jobs(limit=RECENT)]}
 
     def jobs(self, filters: Mapping[str, str], before_id: int | None,
-             limit: int) -> dict[str, Any]:
-        """A page of jobs, newest first, and the ``before_id`` of the next page."""
-        parent = filters.get("parent")
+             limit: int, parent_id: int | None = None) -> dict[str, Any]:
+        """A page of jobs, newest first, and the ``before_id`` of the next page;
+        ``filters`` as :func:`_list_args` checked them."""
+        if parent_id is None and filters.get("parent"):
+            parent_id = ops.id_arg(filters["parent"], "parent")
         jobs = self.client.list_jobs(
             queue=filters.get("queue"), state=filters.get("state"), kind=filters.get("kind"),
-            workflow_id=filters.get("workflow"),
-            parent_id=None if parent is None else _job_id(parent, "parent"),
+            workflow_id=filters.get("workflow"), parent_id=parent_id,
             before_id=before_id, limit=limit)
         return {"jobs": [ops.job_line(j) for j in jobs],
                 "next_before_id": jobs[-1].id if len(jobs) == limit else None}
 
     # -- Mutations -------------------------------------------------------------------
 
-    def _mutate(self, request: Request, access: Access, job_id: int, tool: str) -> Response:
+    def _mutate(self, request: Request, access: Access, job_segment: str,
+                tool: str) -> Response:
         if access.mode == "none":
             raise _Failure(403, access.read_only_hint)
         if access.check_origin:
@@ -282,13 +294,11 @@ class Dashboard:
             _check_token(request.headers.get("authorization", ""), access.token or "")
         if len(request.body) > MAX_BODY:
             raise _Failure(413, f"the request body is over {MAX_BODY} bytes")
-        try:
-            args = json.loads(request.body or b"{}")
-        except ValueError:
-            raise _Failure(400, "the request body is not valid JSON") from None
-        if not isinstance(args, dict):
-            raise _Failure(400, "the request body is a JSON object, like {} or "
-                                '{"name": "approve", "payload": {}}')
+        job_id = ops.id_arg(job_segment, "the job id in the path")
+        args = _body_object(request.body)
+        if "job_id" in args:
+            raise ValidationError("job_id is not a body field: the job is the one in the "
+                                  "path, /api/jobs/<id>/<action>")
         result = ops.mutate(self.client, access.guard, tool, {**args, "job_id": job_id})
         return _json(200, {"ok": True, "action": tool, **result})
 
@@ -305,12 +315,12 @@ class Dashboard:
 _GET_ROUTES: tuple[tuple[str, str], ...] = (
     ("overview", r"/"),
     ("jobs", r"/jobs/?"),
-    ("job", r"/jobs/(\d+)"),
+    ("job", r"/jobs/([^/]+)"),
     ("workflow", r"/workflow"),
     ("static", r"/static/(dashboard\.css|dashboard\.js)"),
     ("api_overview", r"/api/overview"),
     ("api_jobs", r"/api/jobs"),
-    ("api_job", r"/api/jobs/(\d+)"),
+    ("api_job", r"/api/jobs/([^/]+)"),
     ("api_workflow", r"/api/workflow"),
 )
 
@@ -325,34 +335,94 @@ def _known_get(path: str) -> tuple[str, str | None] | None:
 
 def _json(status: int, data: Any, headers: tuple[tuple[str, str], ...] = ()) -> Response:
     text = json.dumps(ops.jsonable(data), ensure_ascii=False)
-    # "<" as \u003c: the JSON can never close a tag, wherever it ends up.
+    # "<" as \u003c: the JSON can never close a tag, wherever it ends up. A lone
+    # surrogate that slipped into a message becomes its JSON escape, not a 500.
     return Response(status, "application/json; charset=utf-8",
-                    text.replace("<", "\\u003c").encode(), headers)
+                    text.replace("<", "\\u003c").encode("utf-8", "backslashreplace"), headers)
 
 
 def _page(status: int, text: str) -> Response:
-    return Response(status, "text/html; charset=utf-8", text.encode())
+    return Response(status, "text/html; charset=utf-8",
+                    text.encode("utf-8", "backslashreplace"))
 
 
-def _job_id(text: str, what: str = "job id") -> int:
-    text = text.strip()
-    if not text.isdigit() or not 1 <= int(text) <= 2**63 - 1:
-        raise ValidationError(f"{what} is a job id (a whole number >= 1), got {text!r}")
-    return int(text)
-
-
-def _list_args(query: Mapping[str, str], *,
-               api: bool) -> tuple[dict[str, str], int | None, int]:
+def _list_args(query: Mapping[str, str], *, api: bool
+               ) -> tuple[dict[str, str], int | None, int | None, int]:
+    """The list's filters (each checked, the text ones as names), parent,
+    before_id and limit."""
     filters = {k: query[k].strip() for k in pages.FILTERS if query.get(k, "").strip()}
+    for key, value in filters.items():
+        if key == "state":
+            ops.state_arg(value)
+        elif key != "parent":
+            ops.name_arg(value, key)
+    parent = ops.id_arg(filters["parent"], "parent") if "parent" in filters else None
     before = query.get("before_id", "").strip()
-    before_id = _job_id(before, "before_id") if before else None
+    before_id = ops.id_arg(before, "before_id") if before else None
     limit = PAGE_SIZE
     if api and query.get("limit"):
-        text = query["limit"].strip()
-        if not text.isdigit() or not 1 <= int(text) <= 500:
-            raise ValidationError(f"limit is a whole number from 1 to 500, got {text!r}")
-        limit = int(text)
-    return filters, before_id, limit
+        limit = ops.int_arg(query["limit"], "limit", high=MAX_LIMIT)
+    return filters, parent, before_id, limit
+
+
+_JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
+
+
+def _too_deep(text: str, limit: int) -> str | None:
+    """The field of the body object ``text`` under which JSON nests more than
+    ``limit`` levels (``"the request body"`` if not under one), else None.
+
+    Scanned before parsing: json.loads recurses, and a body of 64 KiB holds a
+    value nested 32,000 deep. Linear: each bracket, quote and backslash once."""
+    depth, key_start, key, in_string, skip_to = 0, -1, "", False, -1
+    fields = text.lstrip()[:1] == "{"
+    for match in _JSON_STRUCTURE.finditer(text):
+        at, char = match.start(), match[0]
+        if at < skip_to:
+            continue  # the character a backslash escaped
+        if in_string:
+            if char == "\\":
+                skip_to = at + 2
+            elif char == '"':
+                in_string = False
+                if depth == 1 and key_start >= 0:
+                    key, key_start = text[key_start:at + 1], -1
+        elif char == '"':
+            in_string = True
+            key_start = at if depth == 1 and fields else -1
+        elif char in "[{":
+            depth += 1
+            if depth > limit + 1:  # the body object is one level
+                try:
+                    name = json.loads(key) if key else ""
+                except ValueError:
+                    name = ""
+                if not isinstance(name, str) or not name:
+                    return "the request body"
+                return name if name.isidentifier() else ops.shown(name)
+        elif char in "]}":
+            depth -= 1
+    return None
+
+
+def _body_object(body: bytes) -> dict[str, Any]:
+    """A mutation's JSON body as an object; a 400 saying why it isn't one."""
+    try:
+        text = body.decode("utf-8") if body else "{}"
+    except UnicodeDecodeError:
+        raise ValidationError("the request body is not valid UTF-8") from None
+    deepest = _too_deep(text, ops.MAX_JSON_DEPTH)
+    if deepest is not None:
+        raise ValidationError(f"{deepest} nests deeper than {ops.MAX_JSON_DEPTH} levels (the "
+                              "limit for operator payloads); send a flatter object")
+    try:
+        args = json.loads(text)
+    except ValueError:
+        raise ValidationError("the request body is not valid JSON") from None
+    if not isinstance(args, dict):
+        raise ValidationError('the request body is a JSON object, like {} or '
+                              '{"name": "approve", "payload": {}}')
+    return args
 
 
 def _same_origin(headers: Mapping[str, str]) -> None:
@@ -420,8 +490,7 @@ class WSGIApp:
         return [b""] if environ.get("REQUEST_METHOD") == "HEAD" else [response.body]
 
     def _respond(self, environ: Mapping[str, Any]) -> Response:
-        raw_path = str(environ.get("PATH_INFO", "") or "")
-        path = raw_path.encode("latin-1", "replace").decode("utf-8", "replace")
+        path = _wsgi_text(str(environ.get("PATH_INFO", "") or ""))
         headers = {key[5:].replace("_", "-").lower(): str(value)
                    for key, value in environ.items() if key.startswith("HTTP_")}
         for key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
@@ -448,14 +517,30 @@ class WSGIApp:
             if length > MAX_BODY:
                 return _json(413, {"error": f"the request body is over {MAX_BODY} bytes"})
             body = environ["wsgi.input"].read(length) if length > 0 else b""
-        query_string = str(environ.get("QUERY_STRING", ""))
-        query: dict[str, str] = {}
-        for key, value in parse_qsl(
-                query_string.encode("latin-1", "replace").decode("utf-8", "replace")):
-            query.setdefault(key, value)
-        request = Request(str(environ.get("REQUEST_METHOD", "GET")).upper(), path, query,
-                          headers, body)
+        request = Request(str(environ.get("REQUEST_METHOD", "GET")).upper(), path,
+                          parse_query(str(environ.get("QUERY_STRING", ""))), headers, body)
         return self.dashboard.handle(request, self.access, base)
+
+
+def parse_query(query_string: str) -> dict[str, str]:
+    """A WSGI ``QUERY_STRING`` as :attr:`Request.query` (each name's first value).
+    Values whose bytes are not UTF-8 keep them as lone surrogates, which the
+    checks refuse by name (``kind=%ED%A0%80`` is a 400, not a search for U+FFFD)."""
+    query: dict[str, str] = {}
+    for key, value in parse_qsl(query_string, encoding="latin-1"):
+        query.setdefault(_wsgi_text(key), _wsgi_text(value))
+    return query
+
+
+def _wsgi_text(raw: str) -> str:
+    """A WSGI string (the request's bytes as latin-1, PEP 3333) as text. Bytes
+    that are not UTF-8 (``%ED%A0%80``, a surrogate's encoding) stay lone
+    surrogates, so the checks refuse them by name instead of guessing."""
+    try:
+        data = raw.encode("latin-1")
+    except UnicodeEncodeError:
+        return raw  # a server that already decoded it
+    return data.decode("utf-8", "surrogateescape")
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
