@@ -21,6 +21,7 @@ STATUS: Final = {
     "task_failed": 409,
     "task_cancelled": 409,
     "result_missing": 410,
+    "request_timeout": 408,
     "payload_too_large": 413,
     "unsupported_media_type": 415,
     "internal": 500,

@@ -32,6 +32,8 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 _COMMON: Final = {
     "400": _error("invalid_request: a malformed id, query, body or option"),
     "401": _error("unauthorized: the server has a token and the request did not carry it"),
+    "408": _error("request_timeout: the body did not arrive within the server's read "
+                  "timeout (30 s by default); the connection is closed"),
     "413": _error("payload_too_large: the body is over the limit (1 MB by default)"),
     "503": _error("unavailable: the database could not be reached; nothing was done"),
 }
