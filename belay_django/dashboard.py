@@ -40,7 +40,7 @@ from django.middleware.csrf import get_token
 from django.utils.module_loading import import_string
 from django.views.decorators.csrf import csrf_protect
 
-from belay.dashboard.app import Access, Dashboard, Request, Response
+from belay.dashboard.app import Access, Dashboard, Request, Response, parse_query
 from belay.ops import Guard
 
 KEYS = ("MUTATIONS", "AUTHORIZER", "PERMISSION")
@@ -161,7 +161,7 @@ def view(request: HttpRequest, path: str = "") -> HttpResponse:
     neutral = Request(
         method=request.method or "GET",
         path="/" + path,
-        query={key: request.GET.get(key, "") for key in request.GET},
+        query=parse_query(request.META.get("QUERY_STRING", "")),
         headers={key.lower(): value for key, value in request.headers.items()},
         body=request.body if request.method == "POST" else b"",
     )

@@ -243,3 +243,14 @@ def test_in_a_browser_staff_cancel_a_job_with_djangos_csrf_token(sql):
             browser.close()
     assert job_row(sql, ready)["state"] == "cancelled"
     assert dialogs == []
+
+
+@pytest.mark.parametrize("path", [
+    "/belay/api/jobs?kind=%ED%A0%80",   # bytes that are not UTF-8: Django would make them U+FFFD
+    "/belay/api/jobs?kind=a%00",
+    "/belay/api/jobs?before_id=%C2%B2",  # '²': isdigit() says yes, int() says no
+    "/belay/api/jobs/%D9%A3",            # '٣' must not read as job 3
+])
+def test_hostile_query_values_and_paths_are_400s_through_django_too(sql, path):
+    answer = login().get(path)
+    assert answer.status_code == 400, (path, answer.status_code, answer.content[:200])
