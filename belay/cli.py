@@ -43,6 +43,7 @@ from typing import Any
 import psycopg
 
 from belay.client import Belay
+from belay.codec import parse_text
 from belay.errors import (
     BelayError,
     ConfigurationError,
@@ -502,10 +503,9 @@ def parse_queue_option(text: str) -> tuple[str, Any]:
         return name, 10
     if value.lstrip().startswith("{"):
         try:
-            return name, json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--queue {text!r}: the options after '=' are not JSON: {exc}") \
-                from None
+            return name, parse_text(value, what="the options after '='")
+        except ValidationError as exc:
+            raise ValueError(f"--queue {text!r}: {exc}") from None
     if not (value.isascii() and value.isdigit() and len(value) <= 6) \
             or not 1 <= int(value) <= MAX_CONCURRENCY:
         raise ValueError(f"--queue {text!r}: after '=' comes a whole number from 1 to "
@@ -664,24 +664,21 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> int:
 
 def _json_object(text: str, what: str, example: str) -> dict[str, Any]:
     """A command-line argument that must be a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValidationError(
-            f"{what} is not valid JSON ({exc}): write a JSON object like {example}, "
-            "in single quotes for the shell"
-        ) from None
+    from belay import ops
+
+    value = _json_value(text, what, example)
     if not isinstance(value, dict):
         raise ValidationError(f"{what} is a JSON object like {example}, got {text!r}")
-    return value
+    # The checks every operator surface makes (jsonb's text, depth), before any SQL.
+    return ops.object_arg(value, what)
 
 
 def _json_value(text: str, what: str, example: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValidationError(f"{what} is not valid JSON ({exc}): write it like {example}, "
-                              "in single quotes for the shell") from None
+        return parse_text(text, what=what)
+    except ValidationError as exc:
+        raise ValidationError(f"{exc}; write it like {example}, in single quotes for the "
+                              "shell") from None
 
 
 def _stats(args: argparse.Namespace, client: Belay) -> int:

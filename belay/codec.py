@@ -142,6 +142,37 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
     return orjson.loads(raw)
 
 
+def parse_text(text: str | bytes, *, what: str) -> Any:
+    """JSON text from a person or a peer (an HTTP body, a CLI argument), strictly:
+    UTF-8, no NaN or Infinity, no number beyond a double, and a
+    ValidationError naming ``what`` for anything else, nesting too deep for
+    Python's parser included (it recurses). Strings may still hold NUL or lone
+    surrogates (``"\\ud800"`` is valid JSON text): the writer checks those."""
+    try:
+        decoded = text.decode("utf-8") if isinstance(text, bytes) else text
+        return json.loads(decoded, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValidationError(
+            f"{what} is not valid JSON: it nests deeper than belay parses; send a flatter value"
+        ) from None
+    except UnicodeDecodeError:
+        raise ValidationError(f"{what} is not valid UTF-8") from None
+    except ValueError as exc:
+        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValidationError(f"{what} is not valid JSON: {message[:200]}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {raw[:40]} is too large for a double")
+    return value
+
+
 def dumps_object(value: Any, *, what: str) -> bytes:
     """Serialize a JSON object (input, meta, signal payloads must be objects)."""
     if not isinstance(value, Mapping):

@@ -497,3 +497,22 @@ def test_good_tls_files_pass_the_startup_check(certs: dict[str, Path]) -> None:
 
     assert check_tls("127.0.0.1", str(certs["server.crt"]), str(certs["server.key"]),
                      str(certs["ca.crt"])) is True
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["steer", "1", "[" * 3000 + "]" * 3000], "nests deeper than belay parses"),
+    (["steer", "1", '{"a": NaN}'], "NaN is not JSON"),
+    (["signal", "1", "go", '{"a": 1e999}'], "too large for a double"),
+    (["signal", "1", "go", '{"a": "\\u0000"}'], "NUL"),
+    (["steer", "1", '{"a": "\\ud800"}'], "lone surrogate"),
+    (["signal", "1", "go", "{"], "not valid JSON"),
+])
+def test_json_arguments_are_parsed_strictly_before_any_sql(
+    workdir: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    # NOWHERE has no server: a message about the JSON proves nothing was sent.
+    assert main([*argv, "--url", NOWHERE]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("belay: ") and says in err, err
+    assert "Traceback" not in err

@@ -358,7 +358,7 @@ def post_raw(api: TestClient, body: Any) -> httpx2.Response:
     ({"task": "t", "args": {"x": deep(MAX_JSON_DEPTH)}},
      f"args nests deeper than {MAX_JSON_DEPTH} levels"),
     (b'{"task": "t", "args": {"x": ' + b"[" * 5000 + b"]" * 5000 + b"}}",
-     "nests deeper than this server parses"),
+     "nests deeper than belay parses"),
 ])
 def test_bad_text_is_a_400_naming_the_field(api: TestClient, sql_conn: Conn, body: Any,
                                             words: str) -> None:

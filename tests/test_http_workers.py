@@ -365,7 +365,7 @@ def test_bad_completions_are_refused_and_write_nothing(
     ({"outcome": "success", "result": "\udc80"}, "result contains a lone surrogate"),
     ({"outcome": "success", "result": {"k": deep(300)}}, "result nests deeper than 200"),
     (b'{"outcome": "success", "result": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-     "nests deeper than this server parses"),
+     "nests deeper than belay parses"),
 ])
 def test_unstorable_completions_are_refused_and_write_nothing(
         http: TestClient, client: belay.Belay, sql_conn: psycopg.Connection[Any], body: Any,

@@ -23,6 +23,7 @@ from typing import Any, Final
 from urllib.parse import unquote_to_bytes
 
 from belay import names
+from belay.codec import parse_text
 from belay.enqueue import JobSpec, Unique, build_row
 from belay.errors import ValidationError
 from belay.http.errors import ApiError, invalid
@@ -285,28 +286,13 @@ def path_text(raw_path: bytes | None, value: str, what: str) -> str:
 
 
 def parse_json(raw: bytes) -> Any:
-    """A request body as JSON, strictly: UTF-8, no NaN or Infinity, no number
-    beyond a double; a 400 otherwise. Strings may still hold NUL or lone
-    surrogates (``"\\ud800"`` is valid JSON text): :func:`check_json` them."""
+    """A request body as JSON, strictly (:func:`belay.codec.parse_text`); a 400
+    otherwise. Strings may still hold NUL or lone surrogates: :func:`check_json`
+    them."""
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
-                          parse_float=_finite_float)
-    except RecursionError:
-        raise invalid(f"the body is not valid JSON: it nests deeper than this server "
-                      f"parses (the limit is {MAX_JSON_DEPTH} levels)") from None
-    except ValueError as exc:
-        raise invalid(f"the body is not valid JSON: {first_line(exc)[:200]}") from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(raw: str) -> float:
-    value = float(raw)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {raw[:40]} is too large for a double")
-    return value
+        return parse_text(raw, what="the body")
+    except ValidationError as exc:
+        raise invalid(str(exc)) from None
 
 
 def first_line(exc: BaseException) -> str:
