@@ -503,9 +503,10 @@ def parse_queue_option(text: str) -> tuple[str, Any]:
         return name, 10
     if value.lstrip().startswith("{"):
         try:
-            return name, parse_text(value, what="the options after '='")
+            return name, parse_text(value, what="the text")
         except ValidationError as exc:
-            raise ValueError(f"--queue {text!r}: {exc}") from None
+            raise ValueError(f"--queue {text!r}: the options after '=' are not JSON ({exc})") \
+                from None
     if not (value.isascii() and value.isdigit() and len(value) <= 6) \
             or not 1 <= int(value) <= MAX_CONCURRENCY:
         raise ValueError(f"--queue {text!r}: after '=' comes a whole number from 1 to "

@@ -156,7 +156,7 @@ def parse_text(text: str | bytes, *, what: str) -> Any:
             f"{what} is not valid JSON: it nests deeper than belay parses; send a flatter value"
         ) from None
     except UnicodeDecodeError:
-        raise ValidationError(f"{what} is not valid UTF-8") from None
+        raise ValidationError(f"{what} is not valid JSON: its bytes are not UTF-8") from None
     except ValueError as exc:
         message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValidationError(f"{what} is not valid JSON: {message[:200]}") from None
