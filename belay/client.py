@@ -432,7 +432,8 @@ class Belay:
             pending = []
             for i in skipped:
                 row = rows[i]
-                holder = (holders.get(row.unique_key) if row.unique_key is not None
+                holder = (holders.get((row.unique_key, row.unique_mode == "incomplete"))
+                          if row.unique_key is not None
                           else slots.get((row.cron_name, row.cron_slot)))  # type: ignore[arg-type]
                 if holder is None or (row.unique_mode == "incomplete" and holder.terminal):
                     pending.append(i)
@@ -474,6 +475,12 @@ class Belay:
             raise ValidationError(f"limit must be an integer from 1 to 10000, got {limit!r}")
         if kind is not None and not isinstance(kind, str):
             kind = getattr(kind, "kind", kind)
+        for value, what in ((queue, "queue"), (kind, "kind")):
+            if value is not None:
+                names.check_text(value, f"the {what} filter", empty=True)
+        if workflow_id is not None:
+            names.check_text(workflow_id, "the workflow_id filter", max_bytes=names.MAX_KEY_BYTES,
+                             empty=True)
         parent_id = None if parent_id is None else _job_id(parent_id, what="parent_id")
         before_id = None if before_id is None else _job_id(before_id, what="before_id")
         where = store.JobFilter(queue, state, kind, workflow_id, parent_id, before_id, limit)
@@ -490,9 +497,11 @@ class Belay:
         """A job's event stream after sequence number ``after`` (0: from the start),
         at most ``limit`` of them (None: all)."""
         if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+            isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _MAX_ID
         ):
             raise ValidationError(f"limit must be an integer >= 1 or None, got {limit!r}")
+        if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= _MAX_ID:
+            raise ValidationError(f"after is a sequence number (an integer >= 0), got {after!r}")
         with self.connection(conn) as active:
             return store.list_events(active, _job_id(job_id), after, limit)
 
@@ -530,6 +539,7 @@ class Belay:
                 interval = min(interval * 2, poll_interval)
 
     def workflow_status(self, workflow_id: str, *, conn: Conn | None = None) -> WorkflowStatus:
+        names.check_text(workflow_id, "workflow_id", max_bytes=names.MAX_KEY_BYTES)
         with self.connection(conn) as active:
             return WorkflowStatus(workflow_id, store.workflow_jobs(active, workflow_id))
 
@@ -810,9 +820,14 @@ def _conn_or_session(conn: Any, session: Any) -> Any:
     return session
 
 
+_MAX_ID = 2**63 - 1
+
+
 def _job_id(job_id: Any, *, what: str = "a job id") -> int:
-    if isinstance(job_id, bool) or not isinstance(job_id, int):
-        raise ValidationError(f"{what} is an integer job id, got {job_id!r}")
+    # Ids below 1 are never given, so they are simply not found; beyond bigint,
+    # PostgreSQL would refuse the statement (after the caller's other SQL).
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or not -_MAX_ID <= job_id <= _MAX_ID:
+        raise ValidationError(f"{what} is an integer job id (1 to 2**63 - 1), got {job_id!r}")
     return job_id
 
 

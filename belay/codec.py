@@ -197,6 +197,8 @@ def _check_no_nul(value: Any, what: str) -> None:
                     f"{what} contains a NUL character (\\x00) in {item[:40]!r}, which "
                     "PostgreSQL's jsonb cannot store; remove it or encode the text (e.g. base64)"
                 )
+        elif isinstance(item, enum.Enum):
+            stack.append(item.value)
         elif isinstance(item, Mapping):
             stack.extend(item.keys())
             stack.extend(item.values())

@@ -551,6 +551,8 @@ class Context:
                     options: dict[str, Any], *, share: bool) -> list[int]:
         if not isinstance(name, str) or not name:
             raise ValidationError(f"a spawn name is a non-empty string, got {name!r}")
+        # Room for the children's keys, $spawn:<parent>:<name>:<index> (§8.4).
+        names.check_text(name, "a spawn name", max_bytes=names.MAX_KEY_BYTES - 64, empty=True)
         inputs = list(inputs)
         if isinstance(kind, str):
             kind = self.registry.get(kind) or kind

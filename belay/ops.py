@@ -25,6 +25,7 @@ from belay import names, store
 from belay.codec import Opaque
 from belay.errors import BelayError, ConfigurationError, JobNotFound, ValidationError
 from belay.job import STATES, Event, Job, Step, WorkflowStatus
+from belay.outcome import describe, message_of
 
 #: The mutations every surface offers, by the MCP tool name each has.
 MUTATIONS: Final = ("retry_job", "cancel_job", "signal", "steer_job")
@@ -326,10 +327,10 @@ def load_authorizer(spec: str) -> Authorizer:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigurationError(f"authorizer {spec!r}: cannot import {module_name!r}: "
-                                 f"{exc}") from None
+                                 f"{message_of(exc)}") from None
     except Exception as exc:  # the module itself is broken: say so, not a traceback
         raise ConfigurationError(f"authorizer {spec!r}: importing {module_name!r} failed: "
-                                 f"{type(exc).__name__}: {exc}") from None
+                                 f"{describe(exc)}") from None
     target: Any = module
     for part in attr.split("."):
         target = getattr(target, part, None)
@@ -358,7 +359,7 @@ class Guard:
             try:
                 verdict = self.authorizer(tool, dict(args))
             except Exception as exc:
-                raise Refused(f"{tool} refused by the authorizer: {exc}") from None
+                raise Refused(f"{tool} refused by the authorizer: {message_of(exc)}") from None
             if verdict is None or verdict is True:
                 return
             reason = verdict if isinstance(verdict, str) and verdict else "not authorized"

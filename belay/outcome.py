@@ -121,6 +121,14 @@ def type_name(value: object) -> str:
     return name if type(name) is str else "?"
 
 
+def message_of(exc: BaseException) -> str:
+    """``str(exc)``, or :func:`describe`'s fallback when that raises (user code)."""
+    try:
+        return _exact(str(exc))[:MESSAGE_LIMIT]
+    except BaseException:  # user code: see describe
+        return describe(exc)
+
+
 def _plain(failure: BaseException) -> str:
     """A secondary failure, described one level deep only (its own ``__str__``
     may raise too)."""

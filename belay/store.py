@@ -79,10 +79,12 @@ def insert_jobs(conn: Conn, rows: Sequence[Row], now: datetime) -> list[Job]:
     return inserted
 
 
-def holders_by_unique_key(conn: Conn, keys: Iterable[str]) -> dict[str, Job]:
-    """§5.2: the newest job holding each key."""
+def holders_by_unique_key(conn: Conn, keys: Iterable[str]) -> dict[tuple[str, bool], Job]:
+    """§5.2: the newest job holding each key, by (key, mode is ``incomplete``):
+    the two unique indexes are separate, so each mode group has its own holder."""
     found = _rows(conn, "jobs_by_unique_keys", (list(set(keys)),))
-    return {row["unique_key"]: Job.from_row(row, duplicate=True) for row in found}
+    return {(row["unique_key"], row["unique_mode"] == "incomplete"):
+            Job.from_row(row, duplicate=True) for row in found}
 
 
 def holders_by_cron_slot(

@@ -266,3 +266,22 @@ def test_out_of_range_waits_and_bad_names_in_a_job_fail_it_with_a_validation_err
     error = client.get_job(job.id).errors[-1]
     assert "ValidationError" in error["error"] and words in error["error"], error
     assert sql_conn.execute("SELECT count(*) FROM belay_steps").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("spawn", ["spawn", "spawn_many", "map_children"])
+@pytest.mark.parametrize("name", ["fan\x00out", "fan\ud800", "f" * 1000])
+def test_a_bad_spawn_name_fails_the_job_before_any_child_or_step(client, registry, sql_conn,
+                                                                  spawn, name):
+    @belay.worker(name="t.bad_spawn", registry=registry)
+    def parent(ctx: belay.Context) -> None:
+        if spawn == "spawn":
+            ctx.spawn(name, "t.child", {})
+        else:
+            getattr(ctx, spawn)(name, "t.child", [{}])
+
+    job = client.enqueue("t.bad_spawn", max_attempts=1)
+    assert run(client, registry) == {"failed": 1}
+    error = client.get_job(job.id).errors[-1]["error"]
+    assert "ValidationError" in error and "a spawn name" in error, error
+    assert sql_conn.execute("SELECT count(*) FROM belay_jobs").fetchone() == (1,)
+    assert sql_conn.execute("SELECT count(*) FROM belay_steps").fetchone() == (0,)

@@ -846,3 +846,19 @@ def test_a_job_with_more_events_than_a_view_holds_says_so(client, sql_conn, app)
     page = call(app, "GET", f"/jobs/{job_id}").text
     assert 'id="events-shown" data-which="newest">showing the newest 200 of 205<' in page
     assert 'id="steps-shown" data-which="first" hidden>' in page
+
+
+def test_an_authorizer_whose_exception_cannot_be_described_is_a_403_not_a_500(client, sql_conn):
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError("no words")
+
+    def authorize(tool: str, args: dict[str, Any]) -> object:
+        raise Unprintable
+
+    app = make_app(client, guard=ops.Guard(authorizer=authorize))
+    ready = insert_job(sql_conn)
+    refused = post(app, ready, "cancel")
+    assert refused.status == 403
+    assert "cancel_job refused by the authorizer: <exception" in refused.json["error"]
+    assert job_row(sql_conn, ready)["state"] == "ready"

@@ -162,7 +162,11 @@ def test_documented_conversions_read_back_as_documented(client):
     }
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), {1, 2}, b"bytes",
+class Nul(enum.Enum):
+    HIDDEN = "x\x00"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), {1, 2}, b"bytes", Nul.HIDDEN,
                                    START, object()])
 def test_values_json_cannot_hold_are_refused(client, caller, value):
     refused_before_sql(caller, lambda: client.enqueue("k", {"v": value}, conn=caller), "input")
@@ -268,3 +272,67 @@ def same_json(read: Any, written: Any) -> bool:
 def test_a_batch_with_one_bad_row_writes_nothing(client, caller):
     specs = [JobSpec("k"), JobSpec("k", queue="q\x00"), JobSpec("k")]
     refused_before_sql(caller, lambda: client.enqueue_many(specs, conn=caller), "queue")
+
+
+def test_a_duplicate_is_reported_from_its_own_mode_group(client):
+    # 'incomplete' keys have an index of their own; 'window'/'always' share one.
+    always = client.enqueue("k", unique=Unique("x", mode="always"))
+    live = client.enqueue("k2", unique="x")  # incomplete: no conflict with the always row
+    assert not live.duplicate
+    again = client.enqueue("k", unique=Unique("x", mode="always"))
+    assert again.duplicate and again.id == always.id and again.unique_mode == "always"
+    twice = client.enqueue("k2", unique="x")
+    assert twice.duplicate and twice.id == live.id and twice.unique_mode == "incomplete"
+
+
+def test_reads_refuse_what_sql_could_not_take_before_any_sql(client, caller):
+    for call in (
+        lambda: client.list_jobs(kind="\ud800", conn=caller),
+        lambda: client.list_jobs(queue="\x00", conn=caller),
+        lambda: client.list_jobs(workflow_id="w\x00", conn=caller),
+        lambda: client.workflow_status("\x00", conn=caller),
+        lambda: client.events(1, after="x", conn=caller),  # type: ignore[arg-type]
+        lambda: client.events(1, limit=2**70, conn=caller),
+        lambda: client.events(1, after=2**70, conn=caller),
+        lambda: client.get_job(2**70, conn=caller),
+        lambda: client.steps(-(2**70), conn=caller),
+        lambda: client.cancel_job(2**63, conn=caller),
+    ):
+        with pytest.raises(ValidationError):
+            call()
+        assert caller.info.transaction_status == TransactionStatus.INTRANS
+    assert client.get_job(0) is None  # ids below 1 are simply not found
+
+
+# Every client method that takes a name, with the text in that place.
+NAMED_CALLS: dict[str, Callable[[belay.Belay, Any, str], Any]] = {
+    "signal name": lambda c, conn, t: c.signal_job(1, t, conn=conn),
+    "signal scope": lambda c, conn, t: c.signal(t, "go", conn=conn),
+    "clear_signal": lambda c, conn, t: c.clear_signal("job:1", t, conn=conn),
+    "signal payload": lambda c, conn, t: c.signal_job(1, "go", {t: t}, conn=conn),
+    "list_jobs kind": lambda c, conn, t: c.list_jobs(kind=t, conn=conn),
+    "list_jobs queue": lambda c, conn, t: c.list_jobs(queue=t, conn=conn),
+    "workflow_status": lambda c, conn, t: c.workflow_status(t, conn=conn),
+    "put_queue": lambda c, conn, t: c.put_queue(t, conn=conn),
+    "pause_queue": lambda c, conn, t: c.pause_queue(t, conn=conn),
+    "pause_cron": lambda c, conn, t: c.pause_cron(t, conn=conn),
+    "put_cron": lambda c, conn, t: c.put_cron(t, "* * * * *", "k", conn=conn),
+    "meta": lambda c, conn, t: c.enqueue("k", meta={"m": t}, conn=conn),
+    "workflow": lambda c, conn, t: c.enqueue_workflow(
+        belay.Workflow(t).add(t, "k", queue=t), conn=conn),
+}
+
+
+@settings(FUZZ, max_examples=150)
+@given(text=any_text(), call=st.sampled_from(sorted(NAMED_CALLS)))
+def test_every_named_call_takes_any_text_or_refuses_it_before_sql(client, db_url, text, call):
+    with psycopg.connect(db_url) as conn:
+        conn.execute("SELECT 1")
+        try:
+            NAMED_CALLS[call](client, conn, text)
+        except ValidationError:
+            pass  # refused: the transaction must still be usable
+        except belay.JobNotFound:
+            pass
+        assert conn.info.transaction_status == TransactionStatus.INTRANS, call
+        conn.rollback()

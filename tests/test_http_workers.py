@@ -571,3 +571,12 @@ def test_store_claim_is_what_http_workers_use(sessions: WorkerSessions, client: 
         assert store.claim(conn, "default", 5, "py-node", client.now(),
                            client.now()) == []
     assert job_row(sql_conn, job.id)["attempt"] == 1
+
+
+@pytest.mark.parametrize("options", [
+    {"lease_ttl": float("inf")}, {"lease_ttl": 1e300}, {"lease_ttl": float("nan")},
+    {"session_ttl": float("inf")}, {"lease_ttl": 0}, {"session_ttl": True},
+])
+def test_ttls_a_lease_cannot_hold_are_refused_when_the_sessions_are_made(client, options):
+    with pytest.raises(belay.ConfigurationError, match="at most 86400"):
+        WorkerSessions(client, **options)

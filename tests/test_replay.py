@@ -419,6 +419,20 @@ def test_a_role_that_can_write_and_cannot_make_one_is_refused_clearly(client, sq
     assert client.get_job(job.id) is not None
 
 
+def test_a_column_level_write_grant_counts_as_writing(client, sql_conn, db_url, clock,
+                                                     login_role):
+    job = record(client, jobs.PIPELINE, jobs.PIPELINE_INPUT)
+    role = sql.Identifier(login_role)
+    sql_conn.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA public TO {}").format(role))
+    # Not a table privilege: has_table_privilege says no, yet UPDATE (state) works.
+    sql_conn.execute(sql.SQL("GRANT UPDATE (state) ON belay_jobs TO {}").format(role))
+    url = psycopg.conninfo.make_conninfo(db_url, user=login_role)
+    with belay.Belay(url, clock=clock) as writer, \
+            pytest.raises(belay.ConfigurationError, match="may write to belay_jobs"):
+        replay.dry_run(writer, job.id)
+    assert client.get_job(job.id).state == "succeeded"
+
+
 # -- Inputs, kinds, ids -------------------------------------------------------------------
 
 

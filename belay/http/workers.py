@@ -69,6 +69,10 @@ from belay.queues import merge as merge_queues
 log = logging.getLogger("belay.http")
 
 
+#: The longest session or lease TTL (seconds): a day.
+MAX_TTL = 86_400.0
+
+
 def job_backoff(job: Job) -> Callable[[int], float]:
     """The retry delay of ``job``: its own ``$backoff`` (``{"type":
     "exponential", "base_ms", "max_ms"}``, set by an HTTP producer's
@@ -321,8 +325,11 @@ class WorkerSessions:
         reclaim_interval: float | None = None,
     ) -> None:
         for label, value in (("session_ttl", session_ttl), ("lease_ttl", lease_ttl)):
-            if not value > 0:
-                raise ConfigurationError(f"{label} must be positive seconds, got {value!r}")
+            # A day at most: an infinite or huge TTL can't become a lease_until.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value <= MAX_TTL:
+                raise ConfigurationError(
+                    f"{label} must be seconds > 0 and at most {MAX_TTL:g}, got {value!r}")
         if reclaim_interval is not None and not reclaim_interval > 0:
             raise ConfigurationError(
                 f"reclaim_interval must be positive seconds or None, got {reclaim_interval!r}")

@@ -78,10 +78,12 @@ ON CONFLICT DO NOTHING
 RETURNING {job_columns};
 
 -- name: jobs_by_unique_keys
--- §5.2: the holder of a key is its newest row.
-SELECT DISTINCT ON (unique_key) {job_columns} FROM belay_jobs
-WHERE unique_key = ANY(%s::text[])
-ORDER BY unique_key, id DESC;
+-- §5.2: the holder of a key is its newest row — within the mode group whose
+-- index the insert conflicted on ('incomplete', or 'window'/'always', which
+-- share one), so a key used in both groups never reports the other's job.
+SELECT DISTINCT ON (unique_key, unique_mode = 'incomplete') {job_columns} FROM belay_jobs
+WHERE unique_key = ANY(%s::text[]) AND unique_mode IS NOT NULL
+ORDER BY unique_key, unique_mode = 'incomplete', id DESC;
 
 -- name: jobs_by_cron_slots
 SELECT {job_columns} FROM belay_jobs

@@ -27,7 +27,9 @@ UNION ALL
    AND n.nspname NOT IN ('pg_catalog', 'information_schema')
    AND n.nspname NOT LIKE 'pg\_toast%' AND n.nspname NOT LIKE 'pg\_temp%'
    AND ((c.relkind IN ('r', 'p', 'v', 'f')
-         AND has_table_privilege(r.oid, c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE'))
+         AND (has_table_privilege(r.oid, c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE')
+              -- a column-level grant (GRANT UPDATE (state) ON …) writes too
+              OR has_any_column_privilege(r.oid, c.oid, 'INSERT, UPDATE')))
         OR (c.relkind = 'S' AND has_sequence_privilege(r.oid, c.oid, 'UPDATE')))
  ORDER BY 1)
 LIMIT 5
