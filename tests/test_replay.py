@@ -393,14 +393,20 @@ def login_role(sql_conn, db_url):
         sql_conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
+def reader_url(sql_conn, db_url: str, role: str, grant: str) -> str:
+    """The URL of ``role``, which may read every table and holds ``grant`` too."""
+    name = sql.Identifier(role)
+    sql_conn.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA public TO {}").format(name))
+    sql_conn.execute(sql.SQL(grant).format(name))
+    return psycopg.conninfo.make_conninfo(db_url, user=role)
+
+
 def test_a_role_that_can_write_and_cannot_make_one_is_refused_clearly(client, sql_conn,
                                                                       db_url, clock,
                                                                       login_role):
     job = record(client, jobs.PIPELINE, jobs.PIPELINE_INPUT)
     role = sql.Identifier(login_role)
-    sql_conn.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA public TO {}").format(role))
-    sql_conn.execute(sql.SQL("GRANT DELETE ON belay_events TO {}").format(role))
-    url = psycopg.conninfo.make_conninfo(db_url, user=login_role)
+    url = reader_url(sql_conn, db_url, login_role, "GRANT DELETE ON belay_events TO {}")
     with belay.Belay(url, clock=clock) as writer:
         with pytest.raises(belay.ConfigurationError) as refused:
             replay.dry_run(writer, job.id)
@@ -422,11 +428,8 @@ def test_a_role_that_can_write_and_cannot_make_one_is_refused_clearly(client, sq
 def test_a_column_level_write_grant_counts_as_writing(client, sql_conn, db_url, clock,
                                                      login_role):
     job = record(client, jobs.PIPELINE, jobs.PIPELINE_INPUT)
-    role = sql.Identifier(login_role)
-    sql_conn.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA public TO {}").format(role))
     # Not a table privilege: has_table_privilege says no, yet UPDATE (state) works.
-    sql_conn.execute(sql.SQL("GRANT UPDATE (state) ON belay_jobs TO {}").format(role))
-    url = psycopg.conninfo.make_conninfo(db_url, user=login_role)
+    url = reader_url(sql_conn, db_url, login_role, "GRANT UPDATE (state) ON belay_jobs TO {}")
     with belay.Belay(url, clock=clock) as writer, \
             pytest.raises(belay.ConfigurationError, match="may write to belay_jobs"):
         replay.dry_run(writer, job.id)
