@@ -3,7 +3,7 @@
 Schema and processes: ``migrate``, ``check``, ``worker``, ``mcp``,
 ``dashboard``, ``demo``. Operating: ``stats``, ``jobs``, ``job``, ``events``,
 ``retry``, ``cancel``, ``signal``, ``steer``, ``queues``, ``crons``, ``prune``,
-``replay`` — direct client calls (whoever has the database URL may already
+``replay``, ``doctor`` — direct client calls (whoever has the database URL may already
 write to it), with ``--json`` for scripts.
 
 Exit codes:
@@ -19,6 +19,8 @@ Exit codes:
 4    not possible in the job's current state (retrying a job that did not fail)
 5    ``replay`` diverged from the record (blocked, raised, unused or reordered
      journal entries, another result)
+0-2  ``doctor`` exits by what it found: 0 all ok (or info only), 1 a warning,
+     2 an error (docs/doctor.md); its bad usage is 2 as well
 130  interrupted (Ctrl-C); the servers (``worker``, ``mcp``, ``dashboard``, ``serve``)
      exit 0 on SIGINT and SIGTERM
 ===  ==========================================================================
@@ -277,6 +279,14 @@ def _ops_parsers(commands: Any) -> None:
     prune.add_argument("--signal-ttl", type=_keep, default=DEFAULT_SIGNAL_TTL,
                        metavar="SECONDS", help="keep delivered signals this long, or "
                                                f"'forever' (default {DEFAULT_SIGNAL_TTL:g})")
+
+    doctor = op(commands, "doctor", "check a deployment: schema, pooler, NOTIFY, vacuum, "
+                                    "stuck leases, unserved queues, retention (exit 0 ok, "
+                                    "1 warnings, 2 errors; docs/doctor.md)")
+    for state, keep in DEFAULT_RETENTION.items():
+        doctor.add_argument(f"--{state}", type=_keep, default=keep, metavar="SECONDS",
+                            help=f"the retention your workers keep {state} jobs, or "
+                                 f"'forever' (default {keep:g})")
 
 
 def _job_id_arg(text: str) -> int:
@@ -850,6 +860,20 @@ def _crons(args: argparse.Namespace, client: Belay) -> int:
     return _emit(args, {"cron": name, past: True}, f"{past} cron {name!r}")
 
 
+def _doctor(args: argparse.Namespace, client: Belay) -> int:
+    """Exit 0 when every check is ok (or info), 1 with a warning, 2 with an error."""
+    from belay import doctor, retention
+
+    for state in DEFAULT_RETENTION:
+        keep = getattr(args, state)
+        if keep is not None and not retention.keep_ok(keep):
+            raise ValidationError(f"--{state} is seconds > 0 (at most a century) or "
+                                  f"'forever', got {keep:g}")
+    findings = doctor.run(client, retention={s: getattr(args, s) for s in DEFAULT_RETENTION})
+    _emit(args, doctor.report(findings), doctor.format_text(findings))
+    return doctor.exit_code(findings)
+
+
 def _prune(args: argparse.Namespace, client: Belay) -> int:
     from belay import cliformat, queues, retention
 
@@ -873,7 +897,7 @@ def _prune(args: argparse.Namespace, client: Belay) -> int:
 _OPS: dict[str, Operate] = {
     "stats": _stats, "jobs": _jobs, "job": _job, "events": _events, "retry": _retry,
     "cancel": _cancel, "signal": _signal, "steer": _steer, "queues": _queues,
-    "crons": _crons, "prune": _prune,
+    "crons": _crons, "prune": _prune, "doctor": _doctor,
 }
 
 

@@ -6,8 +6,9 @@ adapts WSGI to it (``belay dashboard`` runs it under waitress);
 ``belay_django.dashboard`` adapts Django's requests.
 
 Routes, below the mount point: ``/`` (queues and recent jobs), ``/jobs``
-(filtered list), ``/jobs/<id>``, ``/workflow?id=…``, the JSON the pages poll
-(``/api/overview``, ``/api/jobs``, ``/api/jobs/<id>``, ``/api/workflow?id=…``)
+(filtered list), ``/jobs/<id>``, ``/workflow?id=…``, ``/doctor`` (the
+findings of :mod:`belay.doctor`), the JSON the pages poll (``/api/overview``,
+``/api/jobs``, ``/api/jobs/<id>``, ``/api/workflow?id=…``), ``/api/doctor``
 and the mutations ``POST /api/jobs/<id>/retry|cancel|signal|steer``.
 
 Every query parameter, path segment and body field read here goes through
@@ -32,6 +33,7 @@ import psycopg
 from belay import names, ops
 from belay.dashboard import pages
 from belay.errors import JobNotFound, NotRetryable, SchemaError, ValidationError
+from belay.redact import describe, redact, secrets_of
 
 log = logging.getLogger("belay.dashboard")
 
@@ -226,6 +228,11 @@ class Dashboard:
             if name == "api_overview":
                 return _json(200, data)
             return _page(200, pages.overview(page, data["queues"], data["recent"]))
+        if name in ("doctor", "api_doctor"):
+            report = self.doctor()
+            if name == "api_doctor":
+                return _json(200, report)
+            return _page(200, pages.doctor_page(page, report))
         if name in ("jobs", "api_jobs"):
             filters, parent, before_id, limit = _list_args(request.query,
                                                            api=name == "api_jobs")
@@ -264,6 +271,23 @@ class Dashboard:
         """Queue tiles and the most recent jobs."""
         return {"queues": ops.queue_overview(self.client),
                 "recent": [ops.job_line(j) for j in self.client.list_jobs(limit=RECENT)]}
+
+    def doctor(self) -> dict[str, Any]:
+        """``belay doctor``'s report on the dashboard's database. Whatever goes
+        wrong is a finding, never a 500 (the checks catch their own failures;
+        this catches the rest)."""
+        from belay import doctor
+
+        try:
+            findings = doctor.run(self.client)
+        except Exception as exc:
+            log.exception("belay dashboard: the doctor's checks failed")
+            hidden = secrets_of(getattr(self.client, "conninfo", None))
+            said = redact(" ".join(describe(exc).split()), hidden)
+            findings = [doctor.Finding("doctor", "error", f"the checks could not run: "
+                                       f"{type(exc).__name__}: {said}",
+                                       "see the dashboard's log")]
+        return doctor.report(findings)
 
     def jobs(self, filters: Mapping[str, str], before_id: int | None,
              limit: int, parent_id: int | None = None) -> dict[str, Any]:
@@ -317,11 +341,13 @@ _GET_ROUTES: tuple[tuple[str, str], ...] = (
     ("jobs", r"/jobs/?"),
     ("job", r"/jobs/([^/]+)"),
     ("workflow", r"/workflow"),
+    ("doctor", r"/doctor/?"),
     ("static", r"/static/(dashboard\.css|dashboard\.js)"),
     ("api_overview", r"/api/overview"),
     ("api_jobs", r"/api/jobs"),
     ("api_job", r"/api/jobs/([^/]+)"),
     ("api_workflow", r"/api/workflow"),
+    ("api_doctor", r"/api/doctor"),
 )
 
 

@@ -106,12 +106,13 @@ def layout(page: Page, title: str, name: str, body: Safe, *, api: str = "",
         '<link rel="stylesheet" href="{}">'
         '<script src="{}" defer></script></head>'
         "<body{}><header class=\"top\"><a class=\"brand\" href=\"{}\">belay</a>"
-        '<nav><a href="{}">Overview</a><a href="{}">Jobs</a></nav>'
+        '<nav><a href="{}">Overview</a><a href="{}">Jobs</a><a href="{}">Doctor</a></nav>'
         '<span class="spacer"></span>{}'
         '<span id="live" class="live" title="updates every 2 s">static</span></header>'
         '<main>{}</main></body></html>\n',
         title, page.url("/static/dashboard.css"), page.url("/static/dashboard.js"),
-        data_attrs, page.url("/"), page.url("/"), page.url("/jobs"), token, body)
+        data_attrs, page.url("/"), page.url("/"), page.url("/jobs"), page.url("/doctor"), token,
+        body)
 
 
 # -- Overview ----------------------------------------------------------------------------
@@ -375,6 +376,38 @@ def workflow_page(page: Page, wf: Mapping[str, Any]) -> str:
         dag.svg(wf, lambda i: page.url(f"/jobs/{i}")), rows)
     return layout(page, f"Workflow {wf['workflow_id']}", "workflow", body,
                   api=page.url("/api/workflow", id=wf["workflow_id"]))
+
+
+# -- Doctor --------------------------------------------------------------------------------
+
+#: A finding's severity as its badge says it (``belay doctor`` prints the same).
+SEVERITY_LABELS = {"ok": "OK", "info": "INFO", "warning": "WARN", "error": "ERROR"}
+
+
+def finding_row(f: Mapping[str, Any]) -> Safe:
+    severity = f.get("severity")
+    label = SEVERITY_LABELS.get(str(severity), str(severity))
+    return html('<tr class="finding" data-check="{}" data-severity="{}"><td class="kind">{}</td>'
+                '<td><span class="badge sev-{}">{}</span></td><td>{}</td><td>{}</td></tr>',
+                f.get("check"), severity, f.get("check"), severity, label, f.get("summary"),
+                f.get("fix") or "—")
+
+
+def doctor_page(page: Page, report: Mapping[str, Any]) -> str:
+    """``belay doctor``'s findings, one row per check, run as the page loaded."""
+    status = str(report.get("status"))
+    rows = join(finding_row(f) for f in report.get("findings", ()))
+    body = html(
+        '<h1>Doctor <span id="doctor-status" class="badge sev-{}">{}</span></h1>'
+        '<p class="muted">The checks of <code>belay doctor</code>, run when this page '
+        'loaded: <a href="{}">run them again</a> · <a href="{}">JSON</a>. The command '
+        "exits {} for this.</p>"
+        '<table class="doctor"><thead><tr><th>check</th><th>status</th><th>found</th>'
+        '<th>fix</th></tr></thead><tbody id="findings">{}</tbody></table>',
+        status, SEVERITY_LABELS.get(status, status), page.url("/doctor"),
+        page.url("/api/doctor"), report.get("exit_code"), rows)
+    # No polling (no api): the checks open connections and wait on a NOTIFY.
+    return layout(page, "Doctor", "doctor", body)
 
 
 def error_page(page: Page, status: int, title: str, message: str) -> str:
