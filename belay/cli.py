@@ -44,6 +44,7 @@ from typing import Any
 
 import psycopg
 
+from belay import connect
 from belay.client import Belay
 from belay.codec import parse_text
 from belay.errors import (
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
             default=os.environ.get("BELAY_DATABASE_URL"),
             help="PostgreSQL URL (default: $BELAY_DATABASE_URL)",
         )
+        _pooler_arguments(sub)
         return sub
 
     with_url("migrate", "create or upgrade the belay schema (idempotent)")
@@ -180,6 +182,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _pooler_arguments(sub: Any, quiet: dict[str, Any] | None = None) -> None:
+    """--pooler and --direct-url: they set BELAY_POOLER / BELAY_DIRECT_URL for
+    the command, so every connection it opens follows them."""
+    sub.add_argument("--pooler", metavar="MODE", **(quiet or {}),
+                     help="'transaction' when --url goes through a transaction-pooling "
+                          "pooler such as PgBouncer (default: $BELAY_POOLER)")
+    sub.add_argument("--direct-url", metavar="URL", **(quiet or {}),
+                     help="a URL straight to PostgreSQL, for LISTEN and replay behind a "
+                          "pooler (default: $BELAY_DIRECT_URL)")
+
+
+def _apply_pooler(args: argparse.Namespace) -> None:
+    pooler = getattr(args, "pooler", None)
+    if pooler is not None:
+        os.environ[connect.POOLER_ENV] = connect.check_pooler(pooler) or "none"
+    direct = getattr(args, "direct_url", None)
+    if direct:
+        os.environ[connect.DIRECT_URL_ENV] = direct
+
+
 def _ops_parsers(commands: Any) -> None:
     """The operating commands: reads, job mutations, queue and cron rows, retention."""
 
@@ -193,6 +215,7 @@ def _ops_parsers(commands: Any) -> None:
                          help="PostgreSQL URL (default: $BELAY_DATABASE_URL)")
         sub.add_argument("--json", action="store_true", **quiet,
                          help="print machine-readable JSON")
+        _pooler_arguments(sub, quiet)
         return sub
 
     op(commands, "stats", "per queue: jobs by state, spend, jobs finished in the last minute")
@@ -314,12 +337,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Whatever is printed or logged from here on is redacted with the
     # passwords of the URL given, however malformed it is.
-    secrets = secrets_of(getattr(args, "url", None))
+    secrets = (secrets_of(getattr(args, "url", None))
+               + secrets_of(getattr(args, "direct_url", None) or os.environ.get(
+                   connect.DIRECT_URL_ENV)))
     return _guarded(lambda: _dispatch(args, secrets), secrets)
 
 
 def _dispatch(args: argparse.Namespace, secrets: Sequence[str]) -> int:
     _check_numbers(args)
+    _apply_pooler(args)
     if args.command == "worker":
         return _worker(args, secrets)
     _redact_last_resort(secrets)

@@ -22,7 +22,7 @@ from psycopg import conninfo as pg_conninfo
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
-from belay import names, schema, store
+from belay import connect, names, schema, store
 from belay.clock import Clock, SystemClock
 from belay.codec import dumps_object
 from belay.cron import DynamicCron, dynamic_values
@@ -128,6 +128,11 @@ class Belay:
     by string its worker's defaults (queue, max_attempts, priority, unique).
     ``connection_provider`` (for framework adapters) returns the connection
     calls without ``conn=`` should use, or None for belay's own pool.
+    ``pooler="transaction"`` (default: ``BELAY_POOLER``) when ``url`` goes
+    through a transaction-pooling pooler such as PgBouncer: no server-side
+    prepared statements, nothing kept across transactions, and LISTEN only on
+    ``direct_url`` (default: ``BELAY_DIRECT_URL``), a URL that reaches the
+    server directly; without one, waits poll (docs/scaling.md).
     """
 
     def __init__(
@@ -143,8 +148,15 @@ class Belay:
         registry: Registry | None = None,
         encryption_key: bytes | str | None = None,
         connection_provider: Callable[[], Any] | None = None,
+        pooler: str | None = None,
+        direct_url: str | None = None,
     ) -> None:
         self.conninfo = normalize_url(url)
+        #: "transaction" behind a transaction-pooling pooler, else None.
+        self.pooler = connect.pooler_setting(pooler)
+        direct = connect.direct_url_setting(direct_url)
+        #: A URL that reaches the server directly (LISTEN, replay), if given.
+        self.direct_url = None if direct is None else normalize_url(direct)
         if min_pool_size < 0 or max_pool_size < max(1, min_pool_size):
             raise ConfigurationError(
                 f"pool sizes must satisfy 0 <= min_pool_size <= max_pool_size and "
@@ -163,6 +175,7 @@ class Belay:
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._listener: ResultListener | None = None
+        self._channel: str | None = None
         self._pid = os.getpid()
         #: Calls without ``conn=`` run on what this returns (a framework's
         #: connection of the current thread, so they join its transaction), or on
@@ -183,16 +196,12 @@ class Belay:
                 # One direct connection first: a wrong URL or a down server
                 # raises its real error now, instead of a pool timeout later,
                 # and the schema check (§1) rides on it.
-                with psycopg.connect(self.conninfo, autocommit=True) as probe:
+                with self.connect(autocommit=True) as probe:
                     self._verify_once(probe)
                 low, high = self._pool_sizes
-                pool = ConnectionPool(
-                    self.conninfo,
-                    min_size=low,
-                    max_size=high,
-                    kwargs={"autocommit": True, "application_name": self._application_name},
-                    name="belay",
-                    open=False,
+                pool = connect.pool(
+                    self.conninfo, self.pooler, min_size=low, max_size=high, name="belay",
+                    open=False, kwargs={"application_name": self._application_name},
                 )
                 pool.open(wait=False)
                 self._pool = pool
@@ -217,12 +226,39 @@ class Belay:
         stack.append(None if borrowed is None else borrowed.defer_notify)
         try:
             if borrowed is not None:
-                yield borrowed.conn
+                with self._unprepared(borrowed.conn):
+                    yield borrowed.conn
             else:
                 with self._own_pool().connection() as own:
                     yield own
         finally:
             stack.pop()
+
+    @contextmanager
+    def _unprepared(self, conn: Conn) -> Iterator[None]:
+        """Behind a transaction pooler, belay's statements on a caller's
+        connection are never prepared server-side (the caller's own setting
+        comes back afterwards)."""
+        if not self.pooler or conn.prepare_threshold is None:
+            yield
+            return
+        saved, conn.prepare_threshold = conn.prepare_threshold, None
+        try:
+            yield
+        finally:
+            conn.prepare_threshold = saved
+
+    def connect(self, **kwargs: Any) -> Conn:
+        """A new connection of belay's own to ``url``, set up for the pooler mode."""
+        return connect.connect(self.conninfo, self.pooler, **kwargs)
+
+    @property
+    def listen_conninfo(self) -> str | None:
+        """Where LISTEN can run: ``direct_url``, else ``url`` unless that goes
+        through a transaction pooler (then None: waits poll)."""
+        if self.direct_url is not None:
+            return self.direct_url
+        return None if self.pooler else self.conninfo
 
     def _deferrer_stack(self) -> list[Callable[[str, list[bytes]], None] | None]:
         stack: list[Callable[[str, list[bytes]], None] | None] | None = getattr(
@@ -266,8 +302,13 @@ class Belay:
         schema.check(conn)
         self._verified = True
 
-    def _channel_for(self, conn: Conn) -> str:
-        return names.notify_channel(conn.info.dbname)
+    def notify_channel(self, conn: Conn) -> str:
+        """The database's NOTIFY channel (§9.2), from the server's name for it
+        (behind a pooler, the URL's dbname may be an alias); read once."""
+        channel = self._channel
+        if channel is None:
+            channel = self._channel = names.notify_channel(store.current_database(conn))
+        return channel
 
     def _poke(self, conn: Conn, queues: Iterable[str], results: Iterable[int] = ()) -> None:
         if not self.notify:
@@ -279,9 +320,9 @@ class Belay:
         stack = self._deferrer_stack()
         defer = stack[-1] if stack else None
         if defer is not None:
-            defer(self._channel_for(conn), payloads)
+            defer(self.notify_channel(conn), payloads)
         else:
-            store.notify(conn, self._channel_for(conn), payloads)
+            store.notify(conn, self.notify_channel(conn), payloads)
 
     def close(self) -> None:
         """Close the pool and stop the result listener; idempotent."""
@@ -307,14 +348,14 @@ class Belay:
 
     def migrate(self) -> list[int]:
         """Apply pending migrations; returns the revisions applied."""
-        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+        with self.connect(autocommit=True) as conn:
             applied = schema.migrate(conn)
         self._verified = False
         return applied
 
     def check_schema(self) -> schema.SchemaStatus:
         """Raise a SchemaError (saying what to do) unless belay can run here."""
-        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+        with self.connect(autocommit=True) as conn:
             return schema.check(conn)
 
     # -- Enqueue (§5) --------------------------------------------------------------
@@ -786,14 +827,15 @@ class Belay:
             listener.unwatch(job_id, wake)
 
     def _result_listener(self) -> ResultListener | None:
-        if not self.notify:
+        listen = self.listen_conninfo
+        if not self.notify or listen is None:
             return None
         pool = self._own_pool()  # also resets state after a fork
         with self._lock:
             if self._listener is None:
                 with pool.connection() as conn:
-                    channel = self._channel_for(conn)
-                self._listener = ResultListener(self.conninfo, channel)
+                    channel = self.notify_channel(conn)
+                self._listener = ResultListener(listen, channel)
                 self._listener.start()
             return self._listener
 

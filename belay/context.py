@@ -434,7 +434,7 @@ class Context:
         with self.client.transaction() as conn:
             seq = store.append_event(conn, self.id, body, self.client.clock.now())
             # Wakes subscribe_events at once (delivered on commit).
-            store.notify(conn, names.notify_channel(conn.info.dbname),
+            store.notify(conn, self.client.notify_channel(conn),
                          [store.event_payload(self.id, seq)])
             return seq
 

@@ -499,7 +499,7 @@ class CronScheduler:
                 rows = self._rows(entries, now, problems)
                 inserted = store.insert_jobs(conn, rows, now) if rows else []
                 if self.notify and inserted:
-                    channel = names.notify_channel(conn.info.dbname)
+                    channel = self.client.notify_channel(conn)
                     store.notify(conn, channel, [store.poke_payload(q)
                                                  for q in {job.queue for job in inserted}])
             self._previous = slot(now)

@@ -16,6 +16,11 @@ class ConfigurationError(BelayError):
     """belay was set up wrongly: a bad URL, no default instance, a bad option."""
 
 
+class PoolerError(ConfigurationError):
+    """A transaction-pooling pooler sits between belay and PostgreSQL, and belay
+    was not told (the message says which setting to use)."""
+
+
 class ValidationError(BelayError, ValueError):
     """Input or options were refused before anything was written."""
 

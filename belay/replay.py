@@ -485,7 +485,7 @@ def dry_run(client: Belay, job_id: int, *, registry: Registry | None = None) -> 
     if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 1:
         raise ValidationError(f"a job id is an integer >= 1, got {job_id!r}")
     registry = registry if registry is not None else client.registry
-    with (_reader(client.conninfo) as conninfo, _reading_client(client, conninfo) as reader,
+    with (_reader(_direct(client)) as conninfo, _reading_client(client, conninfo) as reader,
           _snapshot(conninfo) as snap):
         with snap.reading() as conn:
             schema.check(conn)
@@ -507,6 +507,21 @@ def dry_run(client: Belay, job_id: int, *, registry: Registry | None = None) -> 
         ctx = ReplayContext(job, definition, reader, registry, journal, snap)
         returned, raised = _call(definition, ctx)
     return _report(job, journal, ctx, returned, raised)
+
+
+def _direct(client: Belay) -> str:
+    """A replay's session logs in as its own role and sets session settings:
+    neither passes a transaction pooler, so it needs the server itself."""
+    if client.direct_url is not None:
+        return client.direct_url
+    if client.pooler:
+        raise ConfigurationError(
+            "belay replay needs a direct connection to PostgreSQL (it logs in as a "
+            "read-only role of its own and sets session settings, which a transaction "
+            "pooler can't carry): give the server's own URL as direct_url "
+            "(BELAY_DIRECT_URL, or --direct-url), or run it with a direct --url"
+        )
+    return client.conninfo
 
 
 @contextmanager

@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from belay import names, schema, store
+from belay import connect, schema, store
 from belay.client import Belay
 from belay.context import _CURRENT, Context, Execution, Park
 from belay.cron import CronScheduler
@@ -324,17 +324,14 @@ class Worker:
         with self._lock:
             if self._started:
                 return
-            with psycopg.connect(self.client.conninfo, autocommit=True) as probe:
+            with self.client.connect(autocommit=True) as probe:
                 schema.check(probe)
-                self._channel = names.notify_channel(probe.info.dbname)
+                self._channel = self.client.notify_channel(probe)
                 specs = self._effective_specs(probe)
-            self._pool = ConnectionPool(
-                self.client.conninfo,
-                min_size=1,
-                max_size=_pool_size(specs.values()),
-                kwargs={"autocommit": True, "application_name": "belay-worker"},
-                name="belay-worker",
-                open=True,
+            self._pool = connect.pool(
+                self.client.conninfo, self.client.pooler,
+                min_size=1, max_size=_pool_size(specs.values()), name="belay-worker", open=True,
+                kwargs={"application_name": "belay-worker"},
             )
             self._stopping.clear()
             self._halted.clear()
@@ -350,11 +347,12 @@ class Worker:
             self._spawn(self._sweep, "belay-sweeper")
             self._spawn(self._sync_loop, "belay-queues")
             self._spawn(self._poll_idle, "belay-poller")
-            if self.notify:
+            listen = self.client.listen_conninfo
+            if self.notify and listen is not None:
                 from belay.notify import Listener
 
                 self._listener = Listener(
-                    self.client.conninfo, self._channel, self._on_notify, name="belay-listener"
+                    listen, self._channel, self._on_notify, name="belay-listener"
                 )
                 self._listener.start()
             self.cron.start()
@@ -1208,12 +1206,11 @@ class Worker:
             with self._pool.connection() as conn:
                 yield conn
             return
-        with psycopg.connect(self.client.conninfo, autocommit=True) as probe:
+        with self.client.connect(autocommit=True) as probe:
             schema.check(probe)
-            self._channel = names.notify_channel(probe.info.dbname)
-        self._pool = ConnectionPool(self.client.conninfo, min_size=1, max_size=2,
-                                    kwargs={"autocommit": True}, name="belay-worker-sync",
-                                    open=True)
+            self._channel = self.client.notify_channel(probe)
+        self._pool = connect.pool(self.client.conninfo, self.client.pooler, min_size=1,
+                                  max_size=2, name="belay-worker-sync", open=True)
         try:
             with self._pool.connection() as conn:
                 yield conn

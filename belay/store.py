@@ -20,6 +20,7 @@ from psycopg.types.json import set_json_loads
 
 from belay import names
 from belay.codec import dumps, loads
+from belay.connect import pooler_error
 from belay.enqueue import Row
 from belay.job import PARKED, TERMINAL, Event, Job, Step
 from belay.queues import QueueSpec, rate_admits, rate_allowance
@@ -36,23 +37,43 @@ def _cursor(conn: Conn) -> psycopg.Cursor[dict[str, Any]]:
     return cur
 
 
+def _run(cur: psycopg.Cursor[Any], query: str, params: Any) -> None:
+    try:
+        cur.execute(QUERIES[query], params)
+    except psycopg.Error as exc:
+        # A transaction pooler belay was not told about: say which setting.
+        translated = pooler_error(exc)
+        if translated is None:
+            raise
+        raise translated from exc
+
+
 def _rows(conn: Conn, query: str, params: Any = None) -> list[dict[str, Any]]:
     with _cursor(conn) as cur:
-        cur.execute(QUERIES[query], params)
+        _run(cur, query, params)
         return cur.fetchall()
 
 
 def _value(conn: Conn, query: str, params: Any = None) -> Any:
     with conn.cursor() as cur:
-        cur.execute(QUERIES[query], params)
+        _run(cur, query, params)
         row = cur.fetchone()
         return None if row is None else row[0]
 
 
 def _execute(conn: Conn, query: str, params: Any = None) -> int:
     with conn.cursor() as cur:
-        cur.execute(QUERIES[query], params)
+        _run(cur, query, params)
         return cur.rowcount
+
+
+def current_database(conn: Conn) -> str:
+    return str(_value(conn, "current_database"))
+
+
+def local_statement_timeout(conn: Conn, milliseconds: int) -> None:
+    """Bound the statements of the current transaction (SET LOCAL)."""
+    _value(conn, "local_statement_timeout", (f"{int(milliseconds)}ms",))
 
 
 def lock(conn: Conn, key: str) -> None:

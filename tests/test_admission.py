@@ -258,7 +258,8 @@ class Sampler:
         self.peak = 0
         self.peak_by_key: dict[str, int] = {}
         self._stop = threading.Event()
-        self._conn = psycopg.connect(db_url, autocommit=True)
+        # Never prepared: the suite may run behind a transaction pooler.
+        self._conn = psycopg.connect(db_url, autocommit=True, prepare_threshold=None)
         self._thread = threading.Thread(target=self._run, name="test-sampler", daemon=True)
         self._thread.start()
 

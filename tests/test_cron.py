@@ -737,7 +737,7 @@ def test_three_nodes_on_threads_insert_every_slot_exactly_once(
 
 
 def test_three_node_processes_insert_every_slot_exactly_once(
-    db_url: str, sql_conn: Conn
+    db_url: str, direct_url: str, sql_conn: Conn
 ) -> None:
     """Three OS processes, each with its own client, tick in lock-step rounds (a
     LISTEN/NOTIFY barrier in tests/cron_node.py) at the same clock instants."""
@@ -748,7 +748,7 @@ def test_three_node_processes_insert_every_slot_exactly_once(
     processes = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.cron_node", db_url, START.isoformat(), str(step),
-             str(ticks), str(node), str(nodes)],
+             str(ticks), str(node), str(nodes), direct_url],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for node in range(nodes)

@@ -392,7 +392,7 @@ def test_delivery_racing_the_park_never_loses_the_wake_up(client, db_url, sql_co
         barrier.wait()
         out["woken"] = client.signal_job(job, "go", {"job": job})
 
-    with psycopg.connect(db_url) as park_conn:
+    with psycopg.connect(db_url, prepare_threshold=None) as park_conn:  # maybe pooled
         for _ in range(rounds):
             job = running_job(sql_conn)
             barrier = threading.Barrier(2, timeout=10)

@@ -938,6 +938,7 @@ def test_without_the_ordered_index_the_plan_check_sees_a_table_sort(sql_conn) ->
 # -- wake-ups (§9) ---------------------------------------------------------------------------------
 
 
+@pytest.mark.direct_only
 def test_a_poke_wakes_an_idle_worker_long_before_its_poll(client, sql_conn, notes) -> None:
     """Latency claim, bound kept generous (< 2 s against a 5 s poll): with polls
     every 5 s and no other wake source, only the poke explains a quick pickup."""

@@ -34,6 +34,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
+from belay import connect
 from belay.client import Belay, normalize_url
 from belay.context import Context, Cost, Park, StepValueRefused, current_context
 from belay.errors import ConfigurationError, ValidationError
@@ -103,9 +104,9 @@ def postgres_saver(client: Belay | str) -> PostgresSaver:
     """
     global _pools_pid
     if isinstance(client, Belay):
-        conninfo = client.conninfo
+        conninfo, pooler = client.conninfo, client.pooler
     elif isinstance(client, str):
-        conninfo = normalize_url(client)
+        conninfo, pooler = normalize_url(client), connect.pooler_setting()
     else:
         raise ValidationError(
             f"postgres_saver takes a belay.Belay client or a database URL, got "
@@ -118,14 +119,18 @@ def postgres_saver(client: Belay | str) -> PostgresSaver:
             _pools_pid = os.getpid()
         pool = _pools.get(conninfo)
         if pool is None:
-            pool = ConnectionPool(
-                conninfo, min_size=1, max_size=POOL_SIZE, open=False, name="belay-langgraph",
-                kwargs={"autocommit": True, "row_factory": dict_row, "prepare_threshold": 0,
-                        "application_name": "belay-langgraph"},
+            # prepare_threshold=0 (prepare at once) as the saver's docs ask,
+            # except behind a transaction pooler: never prepare there.
+            prepare = {"prepare_threshold": None if pooler else 0}
+            pool = connect.pool(
+                conninfo, pooler, min_size=1, max_size=POOL_SIZE, open=False,
+                name="belay-langgraph",
+                kwargs={"row_factory": dict_row, "application_name": "belay-langgraph",
+                        **prepare},
             )
             pool.open(wait=False)
             try:
-                _setup(conninfo, pool)
+                _setup(conninfo, pooler, pool)
             except BaseException:
                 pool.close()
                 raise
@@ -133,14 +138,20 @@ def postgres_saver(client: Belay | str) -> PostgresSaver:
     return PostgresSaver(pool)
 
 
-def _setup(conninfo: str, pool: ConnectionPool[Any]) -> None:
-    """``setup()`` under the session lock ``SETUP_LOCK``, taken by polling: setup
-    runs CREATE INDEX CONCURRENTLY, which waits for every older snapshot — and a
-    worker blocked in ``pg_advisory_lock`` holds one, so waiting that way would
-    deadlock the holder's setup against its own waiters."""
+def _setup(conninfo: str, pooler: str | None, pool: ConnectionPool[Any]) -> None:
+    """``setup()`` while a transaction of its own holds ``SETUP_LOCK``.
+
+    The lock is transaction-scoped (a session lock would stay behind on a
+    pooled server connection) and taken by polling, each miss rolled back:
+    setup runs CREATE INDEX CONCURRENTLY, which waits for every transaction
+    holding a snapshot — a waiter blocked in ``pg_advisory_xact_lock`` would
+    hold one and deadlock the holder's setup against its own waiters; the
+    holder itself holds none (see :func:`_try_lock`).
+    """
     deadline = time.monotonic() + SETUP_TIMEOUT
-    with psycopg.connect(conninfo, autocommit=True) as lock:
-        while not _first(lock.execute(QUERIES["advisory_try_lock"], (SETUP_LOCK,)).fetchone()):
+    with connect.connect(conninfo, pooler) as lock:
+        while not _try_lock(lock):
+            lock.rollback()
             if time.monotonic() > deadline:
                 raise ConfigurationError(
                     f"LangGraph's checkpoint tables were not set up within {SETUP_TIMEOUT:.0f} s: "
@@ -148,7 +159,17 @@ def _setup(conninfo: str, pool: ConnectionPool[Any]) -> None:
                     "process in pg_stat_activity (application_name belay-langgraph)"
                 )
             time.sleep(SETUP_POLL)
-        PostgresSaver(pool).setup()  # the lock goes with the connection
+        PostgresSaver(pool).setup()
+        lock.commit()
+
+
+def _try_lock(conn: psycopg.Connection[Any]) -> bool:
+    """Take ``SETUP_LOCK`` for the transaction, if free. On a client-side
+    cursor: the extended protocol's unnamed portal would keep a snapshot for
+    the rest of the transaction, and CREATE INDEX CONCURRENTLY waits for it."""
+    with psycopg.ClientCursor(conn) as cur:
+        return bool(_first(cur.execute(QUERIES["advisory_try_xact_lock"],
+                                       (SETUP_LOCK,)).fetchone()))
 
 
 def _first(row: Any) -> Any:

@@ -16,10 +16,21 @@ inserted_at, started_at, finished_at
 -- Keys are built by belay.locks so every lock name has one spelling.
 SELECT pg_advisory_xact_lock(hashtext(%s));
 
--- name: advisory_try_lock
--- A session lock taken without waiting, held until its connection closes
--- (LangGraph's PostgresSaver.setup() can't run inside a transaction).
-SELECT pg_try_advisory_lock(hashtext(%s));
+-- name: advisory_try_xact_lock
+-- Taken without waiting, held until the transaction ends: the guard around
+-- LangGraph's PostgresSaver.setup(), which can't itself run inside a
+-- transaction (and a session lock would outlive it on a pooled server connection).
+SELECT pg_try_advisory_xact_lock(hashtext(%s));
+
+-- name: local_statement_timeout
+-- SET LOCAL: ends with the transaction, so it never outlives it on a pooled
+-- server connection.
+SELECT set_config('statement_timeout', %s, true);
+
+-- name: current_database
+-- The server's name for the database: the NOTIFY channel derives from it, and
+-- behind a pooler the client's dbname may be an alias.
+SELECT current_database();
 
 -- name: meta_create
 CREATE TABLE IF NOT EXISTS belay_meta (version int NOT NULL);

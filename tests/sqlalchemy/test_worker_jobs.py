@@ -81,6 +81,7 @@ def test_a_job_whose_session_rolls_back_leaves_no_follow_up(client, sessions, sq
     assert {"t": "p", "q": "mail"} not in notes.received()
 
 
+@pytest.mark.direct_only
 def test_a_commit_in_a_session_wakes_an_idle_worker(db_url, engine, sql_conn,
                                                    restore_default) -> None:
     """Polls every 5 s and no other wake source: only the wake-up the session

@@ -1,0 +1,196 @@
+"""A throwaway PgBouncer in transaction-pooling mode, in front of a given server.
+
+Used by the test harness (``BELAY_TEST_POOLER=pgbouncer``), the soak
+(``--pooler``) and the benchmarks to put the real pooler production puts
+between belay and PostgreSQL. It runs the machine's ``pgbouncer`` binary
+(Debian: ``apt install pgbouncer``; no Python package ships one) on a free
+port, with a configuration of its own in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from belay.errors import ConfigurationError
+
+#: Where Debian and most distributions put the binary when it is not on PATH.
+_PLACES = ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer", "/usr/local/bin/pgbouncer")
+
+
+def find_binary() -> str | None:
+    """The pgbouncer executable, or None when the machine has none."""
+    found = shutil.which("pgbouncer")
+    if found:
+        return found
+    return next((p for p in _PLACES if os.access(p, os.X_OK)), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _quote(value: str) -> str:
+    """A value inside a [databases] connection string (libpq's quoting)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class PgBouncer:
+    """``with PgBouncer(server_url) as bouncer: bouncer.url_for("mydb")``.
+
+    Every database of the server is reachable through it (a ``*`` entry), as
+    the server URL's user; ``pool_mode = transaction``. ``restart()`` kills it
+    (dropping every client and server connection, as a crash or a deploy
+    does) and starts it again on the same port.
+    """
+
+    def __init__(self, server_url: str, *, pool_size: int = 40,
+                 max_client_conn: int = 1000) -> None:
+        binary = find_binary()
+        if binary is None:
+            raise ConfigurationError(
+                "no pgbouncer executable found; install PgBouncer "
+                "(Debian/Ubuntu: apt install pgbouncer)"
+            )
+        self.binary = binary
+        self.server = conninfo_to_dict(server_url)
+        self.port = _free_port()
+        self.pool_size = pool_size
+        self.max_client_conn = max_client_conn
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- URLs ------------------------------------------------------------------------
+
+    def url_for(self, dbname: str | None = None) -> str:
+        """The pooler's URL for a database of the server (the server URL's by default)."""
+        params = {k: v for k, v in self.server.items() if k not in ("host", "port", "hostaddr")}
+        if dbname is not None:
+            params["dbname"] = dbname
+        return make_conninfo("", host="127.0.0.1", port=str(self.port), **params)
+
+    @property
+    def url(self) -> str:
+        return self.url_for()
+
+    # -- Lifecycle --------------------------------------------------------------------
+
+    def _write_config(self, root: Path) -> Path:
+        host = str(self.server.get("host") or "127.0.0.1")
+        target = f"host={_quote(host)} port={self.server.get('port') or 5432}"
+        user = str(self.server.get("user") or "postgres")
+        target += f" user={_quote(user)}"
+        if self.server.get("password"):
+            target += f" password={_quote(str(self.server['password']))}"
+        (root / "userlist.txt").write_text(f'"{user}" ""\n')
+        ini = root / "pgbouncer.ini"
+        ini.write_text(
+            "[databases]\n"
+            f"* = {target}\n"
+            "[pgbouncer]\n"
+            "listen_addr = 127.0.0.1\n"
+            f"listen_port = {self.port}\n"
+            "unix_socket_dir =\n"
+            "auth_type = trust\n"
+            f"auth_file = {root / 'userlist.txt'}\n"
+            "pool_mode = transaction\n"
+            f"default_pool_size = {self.pool_size}\n"
+            f"max_client_conn = {self.max_client_conn}\n"
+            "server_reset_query =\n"
+            "ignore_startup_parameters = extra_float_digits,options\n"
+            f"logfile = {root / 'pgbouncer.log'}\n"
+            f"pidfile = {root / 'pgbouncer.pid'}\n"
+            "log_connections = 0\n"
+            "log_disconnections = 0\n"
+        )
+        if os.geteuid() == 0:
+            # PgBouncer refuses to run as root; it drops to nobody, who must read these.
+            root.chmod(0o777)
+            for path in root.iterdir():
+                path.chmod(0o666)
+        return ini
+
+    def start(self) -> PgBouncer:
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="belay-pgbouncer-")
+        root = Path(self._dir.name)
+        ini = self._write_config(root)
+        command = [self.binary]
+        if os.geteuid() == 0:
+            command += ["-u", "nobody"]
+        command.append(str(ini))
+        self._proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, start_new_session=True,
+        )
+        self._wait_listening()
+        return self
+
+    def _wait_listening(self, timeout: float = 10.0) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                raise ConfigurationError(f"pgbouncer exited at start: {err.strip()}"
+                                         f"{self._log_tail()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise ConfigurationError(f"pgbouncer did not listen on port {self.port}{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if self._dir is None:
+            return ""
+        log = Path(self._dir.name) / "pgbouncer.log"
+        try:
+            return "\n" + "\n".join(log.read_text().splitlines()[-10:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL: every client and server connection drops at once."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+    def restart(self) -> None:
+        """Kill and start again on the same port (a crash, a deploy)."""
+        self.kill()
+        self.start()
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self) -> None:
+        self.kill()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> PgBouncer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
