@@ -32,6 +32,8 @@ STEP_KINDS = frozenset({"soak.step", "soak.budget", "soak.awaiter"})
 #: How far two processes' "now" may disagree when ordering a key's holders.
 CLOCK_SLACK = timedelta(milliseconds=250)
 PLANNED = "planned failure"
+#: The errors entry the reclaim writes for an attempt whose lease expired.
+LEASE_EXPIRED = "lease_expired"
 
 
 @dataclass
@@ -109,7 +111,9 @@ def load(conn: psycopg.Connection[Any]) -> Snapshot:
 
 def duplicate_allowance(chaos: Mapping[str, int]) -> int:
     """The most duplicated step executions chaos can explain: each kill or cut
-    interrupts at most a worker's slots, each database restart every worker's."""
+    interrupts at most a worker's slots, each database restart every worker's.
+    PgBouncer restarts (``--pooler``) add nothing: their duplicates must fit in
+    what the other chaos explains."""
     slots = chaos.get("slots_per_worker", 16)
     workers = chaos.get("workers", 3)
     return 10 + slots * (chaos.get("kills", 0) + chaos.get("proxy_cuts", 0)) + (
@@ -146,6 +150,7 @@ def check(snap: Snapshot) -> list[Invariant]:
         _children(jobs, ledger, steps, children),
         _awaiters(jobs, ledger, signals),
         _attempts(snap.jobs),
+        _double_runs(snap.jobs, effects, acks),
         _rerun(jobs, effects),
         _duplicates(jobs, effects, snap.chaos),
     ]
@@ -427,6 +432,57 @@ def _attempts(jobs: Iterable[Row]) -> Invariant:
         if job["attempt"] > job["max_attempts"]:
             inv.fail(job["id"], f"job {job['id']} attempt {job['attempt']} > max "
                                 f"{job['max_attempts']}")
+    return inv
+
+
+def attempt_ends(job: Row) -> dict[int, list[str]]:
+    """The errors entries of a job by attempt: how each attempt that did not
+    succeed ended (its own failure, or the reclaim's ``lease_expired``)."""
+    ends: dict[int, list[str]] = defaultdict(list)
+    for error in job["errors"] or ():
+        if isinstance(error, dict) and isinstance(error.get("attempt"), int):
+            ends[error["attempt"]].append(str(error.get("error", "")))
+    return ends
+
+
+def _double_runs(jobs: Iterable[Row], effects: Mapping[int, list[Row]],
+                 acks: Mapping[int, list[Row]]) -> Invariant:
+    inv = Invariant("no-double-runs", "§11.2",
+                    "no job ran twice outside a lease loss: every attempt before the last "
+                    "ended once (its own failure, or lease_expired) before the next claim; "
+                    "one worker and each step once per attempt; never both reclaimed and "
+                    "acked; no attempt after an applied success")
+    for job in jobs:
+        job_id, last = job["id"], job["attempt"]
+        ends = attempt_ends(job)
+        for attempt in range(1, last + 1):
+            got = ends.get(attempt, [])
+            if attempt < last and not got:
+                inv.fail(job_id, f"job {job_id}: attempt {attempt + 1} was claimed while "
+                                 f"attempt {attempt} neither ended nor lost its lease")
+            if len(got) > 1:
+                inv.fail(job_id, f"job {job_id}: attempt {attempt} ended {len(got)} times: "
+                                 + "; ".join(g[:60] for g in got))
+        runs: dict[int, set[str]] = defaultdict(set)
+        seen: dict[tuple[int, str], int] = defaultdict(int)
+        for row in effects.get(job_id, ()):
+            runs[row["attempt"]].add(row["tag"])
+            seen[row["attempt"], row["step"]] += 1
+        for attempt, tags in runs.items():
+            if len(tags) > 1:
+                inv.fail(job_id, f"job {job_id}: attempt {attempt} ran on {len(tags)} "
+                                 f"workers {sorted(tags)}")
+        for (attempt, step), n in seen.items():
+            if n > 1:
+                inv.fail(job_id, f"job {job_id}: attempt {attempt} ran {step} {n} times")
+        for ack in acks.get(job_id, ()):
+            attempt, outcome = ack["attempt"], ack["outcome"]
+            if outcome in APPLIED and LEASE_EXPIRED in ends.get(attempt, ()):
+                inv.fail(job_id, f"job {job_id}: attempt {attempt} was reclaimed (lease "
+                                 f"expired) and its executor's {outcome} ack applied too")
+            if outcome == "succeeded" and (attempt != last or job["state"] != "succeeded"):
+                inv.fail(job_id, f"job {job_id}: attempt {attempt}'s success applied, yet "
+                                 f"the job went on to attempt {last} ({job['state']})")
     return inv
 
 

@@ -1,10 +1,17 @@
 """The soak driver: its own PostgreSQL, worker processes, chaos, workload waves,
-quiescence, the checker and the report."""
+quiescence, the checker and the report.
+
+With ``--pooler`` every worker process reaches PostgreSQL through a real
+PgBouncer in transaction-pooling mode (the proxied one through the proxy, in
+front of the PgBouncer), with ``pooler="transaction"``; every other worker has
+a ``direct_url`` for LISTEN, the rest poll; the chaos adds PgBouncer restarts.
+The driver and the checker stay on direct connections."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -21,10 +28,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 from psycopg.types.json import Jsonb
 from psycopg_pool import PoolTimeout
 
 import belay
+from belay.connect import DIRECT_URL_ENV, POOLER_ENV, TRANSACTION
+from belay.pgbouncer import PgBouncer, find_binary
 from soak import check as checker
 from soak import kinds
 from soak.pg import Server
@@ -42,7 +52,7 @@ CREATE TABLE IF NOT EXISTS soak_effects (
     attempt int NOT NULL, tag text NOT NULL, at timestamptz NOT NULL);
 CREATE TABLE IF NOT EXISTS soak_acks (
     id bigserial PRIMARY KEY, job_id bigint NOT NULL, attempt int NOT NULL,
-    outcome text NOT NULL, tag text NOT NULL, at timestamptz NOT NULL);
+    outcome text NOT NULL, tag text NOT NULL, at timestamptz NOT NULL, rid text UNIQUE);
 CREATE TABLE IF NOT EXISTS soak_ledger (
     job_id bigint PRIMARY KEY, kind text NOT NULL, expected jsonb NOT NULL);
 CREATE TABLE IF NOT EXISTS soak_bursts (
@@ -64,6 +74,9 @@ class Options:
     report: Path | None = None
     seed: int | None = None
     logs: Path | None = None
+    #: Workers behind a transaction-pooling PgBouncer, restarted about this often.
+    pooler: bool = False
+    pooler_restart_every: float = 45.0
     #: Chaos the run must have delivered (CI's floor), else it fails.
     min_chaos: dict[str, int] = field(default_factory=dict)
 
@@ -73,6 +86,7 @@ class Chaos:
     kills: int = 0
     db_restarts: int = 0
     proxy_cuts: int = 0
+    pooler_restarts: int = 0
     unexpected_exits: int = 0
     events: list[str] = field(default_factory=list)
 
@@ -83,8 +97,10 @@ class Chaos:
 
 
 class WorkerProc:
-    def __init__(self, tag: str, url: str, logs: Path, *, cron: bool = True) -> None:
+    def __init__(self, tag: str, url: str, logs: Path, *, cron: bool = True,
+                 pooler: str | None = None, direct_url: str | None = None) -> None:
         self.tag, self.url, self.logs, self.cron = tag, url, logs, cron
+        self.pooler, self.direct_url = pooler, direct_url
         self.proc: subprocess.Popen[bytes] | None = None
         self.killed = False
         #: Serializes the killer's kill-and-restart with the supervisor's restarts,
@@ -96,12 +112,23 @@ class WorkerProc:
             self.kill9()
             self.start()
 
-    def start(self) -> None:
+    def command(self) -> list[str]:
         args = [sys.executable, "-m", "soak.worker", self.url, self.tag]
         if not self.cron:
             args.append("--no-cron")
+        if self.pooler:
+            args += ["--pooler", self.pooler]
+            if self.direct_url:
+                args += ["--direct-url", self.direct_url]
+        return args
+
+    def start(self) -> None:
+        args = self.command()
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get(
             "PYTHONPATH", ""))
+        # The pooler mode comes from the command line only, never the caller's shell.
+        for name in (POOLER_ENV, DIRECT_URL_ENV):
+            env.pop(name, None)
         out = open(self.logs / f"{self.tag}.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=out)
         out.close()
@@ -139,6 +166,7 @@ class Driver:
         self.chaos = Chaos()
         self.server = Server()
         self.proxy: Proxy | None = None
+        self.bouncer: PgBouncer | None = None
         self.workers: list[WorkerProc] = []
         self.client: belay.Belay | None = None
         self.conn: psycopg.Connection[Any] | None = None
@@ -187,14 +215,32 @@ class Driver:
         self.db().execute(SOAK_TABLES)
         self.client = belay.Belay(self.url, registry=kinds.REGISTRY, max_pool_size=8,
                                   application_name="soak-driver")
-        self.proxy = Proxy(self.server.port).start()
+        upstream = self.server.port
+        if self.opts.pooler:
+            self.bouncer = PgBouncer(self.url, pool_size=40).start()
+            upstream = self.bouncer.port
+        self.proxy = Proxy(upstream).start()
         for n in range(1, self.opts.workers + 1):
-            # The first worker talks to PostgreSQL through the proxy the driver cuts.
-            url = self.url if n > 1 else self.url.replace(
-                f":{self.server.port}/", f":{self.proxy.port}/")
-            worker = WorkerProc(f"w{n}" + ("p" if n == 1 else ""), url, self.logs)
+            # The first worker talks to PostgreSQL (or the PgBouncer) through the
+            # proxy the driver cuts.
+            worker = self.worker(f"w{n}" + ("p" if n == 1 else ""),
+                                 proxied=n == 1, listen=n % 2 == 0)
             worker.start()
             self.workers.append(worker)
+
+    def worker(self, tag: str, *, proxied: bool = False, listen: bool = False,
+               cron: bool = True) -> WorkerProc:
+        """A worker process's route: direct, or through the PgBouncer with
+        ``pooler="transaction"`` — LISTENing on a direct URL when ``listen``
+        (never for the proxied one: a cut must cut it off entirely), else polling."""
+        url = self.url if self.bouncer is None else self.bouncer.url
+        if proxied:
+            assert self.proxy is not None
+            url = make_conninfo(url, host="127.0.0.1", port=str(self.proxy.port))
+        if self.bouncer is None:
+            return WorkerProc(tag, url, self.logs, cron=cron)
+        return WorkerProc(tag, url, self.logs, cron=cron, pooler=TRANSACTION,
+                          direct_url=self.url if listen and not proxied else None)
 
     def teardown(self) -> None:
         self.stop_chaos.set()
@@ -205,6 +251,9 @@ class Driver:
                 worker.proc = None
         if self.proxy is not None:
             self.proxy.close()
+        if self.bouncer is not None:
+            with contextlib.suppress(Exception):
+                self.bouncer.stop()
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.close()
@@ -258,6 +307,30 @@ class Driver:
             self.stop_chaos.wait(LEASE_TTL + self.rng.uniform(1.5, 3.0))
             self.proxy.heal()
             wait = self.rng.uniform(0.7, 1.3) * self.opts.cut_every
+
+    def _pooler_restarter(self) -> None:
+        """SIGKILL the PgBouncer (every client and server connection drops, as a
+        crash or a deploy does), keep it down 0.2 to 1.5 s, start it again on
+        the same port."""
+        assert self.bouncer is not None
+        every = self.opts.pooler_restart_every
+        while not self.stop_chaos.wait(self.rng.uniform(0.7, 1.3) * every):
+            self.bouncer.kill()
+            self.chaos.pooler_restarts += 1
+            self.chaos.note("PgBouncer killed (SIGKILL: every pooled connection dropped)")
+            time.sleep(self.rng.uniform(0.2, 1.5))
+            self.start_bouncer()
+
+    def start_bouncer(self) -> None:
+        """Start the PgBouncer again (same port), however long that takes."""
+        assert self.bouncer is not None
+        for attempt in itertools.count(1):
+            try:
+                self.bouncer.start()
+                return
+            except belay.ConfigurationError as exc:
+                log.warning("PgBouncer did not start (try %d): %s", attempt, exc)
+                time.sleep(1.0)
 
     # -- Workload ----------------------------------------------------------------------
 
@@ -381,13 +454,16 @@ class Driver:
         started = time.monotonic()
         t0 = datetime.now(timezone.utc)
         self.setup()
-        log.info("soak: PostgreSQL on port %d, %d workers, %.0fs of chaos", self.server.port,
+        log.info("soak: PostgreSQL on port %d%s, %d workers, %.0fs of chaos", self.server.port,
+                 "" if self.bouncer is None else f", PgBouncer on port {self.bouncer.port}",
                  opts.workers, opts.duration)
         threads = [threading.Thread(target=self._supervisor, daemon=True),
                    threading.Thread(target=self._killer, daemon=True),
                    threading.Thread(target=self._db_restarter, args=(time.monotonic(),),
                                     daemon=True),
                    threading.Thread(target=self._cutter, daemon=True)]
+        if self.bouncer is not None:
+            threads.append(threading.Thread(target=self._pooler_restarter, daemon=True))
         for thread in threads:
             thread.start()
         end = time.monotonic() + opts.duration
@@ -397,9 +473,10 @@ class Driver:
             self.wave()
             if time.monotonic() >= next_report:
                 next_report += 30
-                log.info("soak: %d waves, %d kills, %d restarts, %d cuts, %.0fs left",
-                         self.waves, self.chaos.kills, self.chaos.db_restarts,
-                         self.chaos.proxy_cuts, end - time.monotonic())
+                log.info("soak: %d waves, %d kills, %d restarts, %d cuts, %d pooler restarts, "
+                         "%.0fs left", self.waves, self.chaos.kills, self.chaos.db_restarts,
+                         self.chaos.proxy_cuts, self.chaos.pooler_restarts,
+                         end - time.monotonic())
             time.sleep(max(0.0, opts.wave_every - (time.monotonic() - tick)))
         # Quiesce: no more chaos; every awaiter gets its signal; fresh workers
         # without crons finish what is left.
@@ -408,6 +485,8 @@ class Driver:
             thread.join()
         assert self.proxy is not None
         self.proxy.heal()
+        if self.bouncer is not None and not self.bouncer.running:
+            self.start_bouncer()
         self.due_signals(everything=True)
         self.supervise.set()
         threads[0].join()
@@ -415,7 +494,8 @@ class Driver:
             worker.terminate()
         for worker in self.workers:
             worker.wait(10)
-        finishers = [WorkerProc(f"f{n}", self.url, self.logs, cron=False) for n in (1, 2)]
+        # Behind the PgBouncer too (if any), one LISTENing, one polling.
+        finishers = [self.worker(f"f{n}", listen=n == 1, cron=False) for n in (1, 2)]
         for worker in finishers:
             worker.start()
         chaos_end = time.monotonic()
@@ -427,7 +507,8 @@ class Driver:
             worker.wait(10)
         self.workers += finishers
         counts = {"kills": self.chaos.kills, "db_restarts": self.chaos.db_restarts,
-                  "proxy_cuts": self.chaos.proxy_cuts, "workers": opts.workers,
+                  "proxy_cuts": self.chaos.proxy_cuts,
+                  "pooler_restarts": self.chaos.pooler_restarts, "workers": opts.workers,
                   "slots_per_worker": sum(QUEUES.values()),
                   "unexpected_exits": self.chaos.unexpected_exits}
         conn = self.db()
@@ -486,8 +567,9 @@ def parse(argv: list[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(
         prog="python -m soak",
         description="Chaos soak: worker processes killed with -9, PostgreSQL crash-restarted, "
-                    "one worker's connections cut; then every contract §11 invariant is "
-                    "checked from the database.")
+                    "one worker's connections cut (with --pooler: every worker behind a "
+                    "PgBouncer in transaction mode, restarted too); then every contract §11 "
+                    "invariant is checked from the database.")
     parser.add_argument("--duration", type=float, default=180.0,
                         help="seconds of workload under chaos (default 180)")
     parser.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
@@ -505,17 +587,33 @@ def parse(argv: list[str] | None = None) -> Options:
                         help="fail unless at least N kills happened (CI's floor)")
     parser.add_argument("--min-db-restarts", type=int, default=0, metavar="N")
     parser.add_argument("--min-cuts", type=int, default=0, metavar="N")
+    parser.add_argument("--pooler", action="store_true",
+                        help="workers reach PostgreSQL through a real PgBouncer in "
+                             "transaction-pooling mode (pooler=\"transaction\"), which the "
+                             "chaos restarts")
+    parser.add_argument("--pooler-restart-every", type=float, default=None, metavar="SECONDS",
+                        help="with --pooler: SIGKILL and restart the PgBouncer about this "
+                             "often (default 45)")
+    parser.add_argument("--min-pooler-restarts", type=int, default=0, metavar="N")
     args = parser.parse_args(argv)
     if args.workers < 2:
         parser.error("--workers must be at least 2 (one sits behind the proxy)")
+    if not args.pooler and (args.pooler_restart_every is not None or args.min_pooler_restarts):
+        parser.error("--pooler-restart-every and --min-pooler-restarts need --pooler")
+    if args.pooler and find_binary() is None:
+        parser.error("--pooler needs PgBouncer's pgbouncer executable "
+                     "(Debian/Ubuntu: apt install pgbouncer)")
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     return Options(duration=args.duration, workers=args.workers,
                    db_restart_every=args.db_restart_every, kill_every=args.kill_every,
                    cut_every=args.cut_every, quiesce_timeout=args.quiesce_timeout,
-                   report=args.report, seed=seed, logs=args.logs,
-                   min_chaos={what: n for what, n in (("kills", args.min_kills),
-                                                      ("db_restarts", args.min_db_restarts),
-                                                      ("proxy_cuts", args.min_cuts)) if n})
+                   report=args.report, seed=seed, logs=args.logs, pooler=args.pooler,
+                   pooler_restart_every=(45.0 if args.pooler_restart_every is None
+                                         else args.pooler_restart_every),
+                   min_chaos={what: n for what, n in (
+                       ("kills", args.min_kills), ("db_restarts", args.min_db_restarts),
+                       ("proxy_cuts", args.min_cuts),
+                       ("pooler_restarts", args.min_pooler_restarts)) if n})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,9 +21,10 @@ import belay
 
 REGISTRY = belay.Registry()
 
-#: Set by soak.worker: this process's tag and database URL.
+#: Set by soak.worker: this process's tag, database URL and pooler mode.
 TAG = "?"
 URL = ""
+POOLER: str | None = None
 
 BUDGET_USD = 0.5
 STEP_USD = 0.2
@@ -34,11 +35,19 @@ BUDGET_ALLOWED = 3
 _local = threading.local()
 
 
+def connect_options(pooler: str | None) -> dict[str, Any]:
+    """psycopg options for the soak's own connections: behind a transaction
+    pooler, never a server-side prepared statement (psycopg prepares a query
+    after five runs, on a server connection the next transaction may not get)."""
+    return {"prepare_threshold": None} if pooler else {}
+
+
 def _conn() -> psycopg.Connection[Any]:
     conn: psycopg.Connection[Any] | None = getattr(_local, "conn", None)
     if conn is None or conn.closed or conn.broken:
         conn = psycopg.connect(URL, autocommit=True, connect_timeout=5,
-                               application_name=f"soak-effects-{TAG}")
+                               application_name=f"soak-effects-{TAG}",
+                               **connect_options(POOLER))
         _local.conn = conn
     return conn
 

@@ -6,7 +6,14 @@ from collections import Counter, defaultdict
 from datetime import datetime
 from typing import Any
 
-from soak.check import Invariant, Snapshot, duplicate_allowance, duplicated_steps
+from soak.check import (
+    LEASE_EXPIRED,
+    Invariant,
+    Snapshot,
+    attempt_ends,
+    duplicate_allowance,
+    duplicated_steps,
+)
 
 
 def render(snap: Snapshot, results: list[Invariant], *, opts: Any, started: datetime,
@@ -35,16 +42,25 @@ def render(snap: Snapshot, results: list[Invariant], *, opts: Any, started: date
     cron = sum(1 for job in snap.jobs if job["cron_name"] is not None)
     restart = (f"every {opts.db_restart_every:g} s" if opts.db_restart_every
                else "at the 1/3 and 2/3 marks")
+    pooler = bool(getattr(opts, "pooler", False))
+    reclaimed = sum(ends.count(LEASE_EXPIRED) for job in snap.jobs
+                    for ends in attempt_ends(job).values())
     lines = [
         f"# Soak report — {started:%Y-%m-%d %H:%M} UTC",
         "",
         f"`python -m soak --duration {opts.duration:g} --workers {opts.workers}"
         + (f" --db-restart-every {opts.db_restart_every:g}" if opts.db_restart_every else "")
+        + (f" --pooler --pooler-restart-every {opts.pooler_restart_every:g}" if pooler else "")
         + f" --seed {seed}`: {opts.duration / 60:.1f} min of workload under chaos "
         f"({elapsed / 60:.1f} min in all), {opts.workers} worker processes (one behind the "
         f"cuttable proxy), `kill -9` about every {opts.kill_every:g} s, PostgreSQL "
         f"crash-restarted {restart}, the proxied worker cut off about every "
-        f"{opts.cut_every:g} s for longer than its lease.",
+        f"{opts.cut_every:g} s for longer than its lease."
+        + (f" Every worker behind a PgBouncer in transaction-pooling mode "
+           f"(`pooler=\"transaction\"`; the proxied one through the proxy in front of it), "
+           f"every other one LISTENing on a direct URL, the rest polling; the PgBouncer "
+           f"`SIGKILL`ed and restarted about every {opts.pooler_restart_every:g} s."
+           if pooler else ""),
         "",
         f"## Verdict: {verdict}",
         "",
@@ -62,12 +78,17 @@ def render(snap: Snapshot, results: list[Invariant], *, opts: Any, started: date
         f"- PostgreSQL crash-restarts (immediate stop): {chaos.get('db_restarts', 0)}",
         f"- Proxy cuts (connections dropped and refused for lease + 1.5 to 3 s): "
         f"{chaos.get('proxy_cuts', 0)}",
+        *([f"- PgBouncer restarts (`SIGKILL`, down 0.2 to 1.5 s, every pooled connection "
+           f"dropped): {chaos.get('pooler_restarts', 0)}"] if pooler else []),
         f"- Worker processes that died by themselves: {chaos.get('unexpected_exits', 0)}",
         "",
         "## At-least-once accounting",
         f"- Memoized step bodies executed: {step_execs} for {distinct} distinct steps; "
         f"duplicated executions: {dups} (allowance {duplicate_allowance(chaos)}: each kill "
-        "or cut can interrupt a worker's slots, each restart every worker's)",
+        "or cut can interrupt a worker's slots, each restart every worker's"
+        + ("; PgBouncer restarts add nothing" if pooler else "") + ")",
+        f"- Attempts reclaimed after their lease lapsed (`lease_expired`): {reclaimed} — "
+        "the only re-runs of a job without an ending of its own (see no-double-runs)",
         f"- Job-level side effects re-run by retried attempts (children, workflow members, "
         f"unique, cron): {reruns}",
         "- Outcomes the workers reported: "

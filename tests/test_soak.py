@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -21,8 +22,9 @@ from hypothesis import strategies as st
 
 import belay
 from belay import store
+from belay.pgbouncer import PgBouncer, find_binary
 from soak import check as checker
-from soak.driver import SOAK_TABLES
+from soak.driver import SOAK_TABLES, Driver, parse
 from soak.pg import Server
 from soak.proxy import Proxy
 from soak.worker import AckRecorder, apply_break
@@ -48,8 +50,9 @@ def job(id: int, kind: str, state: str = "succeeded", **columns: Any) -> dict[st
     return row
 
 
-def effect(job_id: int, step: str, attempt: int = 1, when: float = 0.2) -> dict[str, Any]:
-    return {"job_id": job_id, "step": step, "attempt": attempt, "tag": "w1", "at": at(when)}
+def effect(job_id: int, step: str, attempt: int = 1, when: float = 0.2,
+           tag: str = "w1") -> dict[str, Any]:
+    return {"job_id": job_id, "step": step, "attempt": attempt, "tag": tag, "at": at(when)}
 
 
 def good() -> checker.Snapshot:
@@ -128,7 +131,7 @@ def failing(snap: checker.Snapshot) -> dict[str, list[Any]]:
 def test_the_good_snapshot_passes_every_invariant() -> None:
     results = checker.check(good())
     assert [r.name for r in results if not r.ok] == []
-    assert len(results) == 13
+    assert len(results) == 14
 
 
 def _running(s: checker.Snapshot) -> None:
@@ -201,6 +204,32 @@ def _rerun_journaled(s: checker.Snapshot) -> None:
     s.effects.append(effect(1, "s1", attempt=2))
 
 
+def _claimed_while_live(s: checker.Snapshot) -> None:
+    # Attempt 2 ran although attempt 1 neither ended nor lost its lease.
+    find(s, 3)["attempt"] = 2
+    s.effects.append(effect(3, "child", attempt=2, tag="w2"))
+
+
+def _ended_twice(s: checker.Snapshot) -> None:
+    find(s, 1)["errors"].append({"error": "lease_expired", "attempt": 1})
+
+
+def _step_twice_in_one_attempt(s: checker.Snapshot) -> None:
+    s.effects.append(effect(13, "uni", when=0.3))
+
+
+def _two_executors(s: checker.Snapshot) -> None:
+    s.effects[1]["tag"] = "w2"  # job 1's attempt 1 ran s1 on w1 and s2 on w2
+
+
+def _reclaimed_and_acked(s: checker.Snapshot) -> None:
+    find(s, 1)["errors"] = [{"error": "lease_expired", "attempt": 1}]
+
+
+def _success_ran_again(s: checker.Snapshot) -> None:
+    s.acks.insert(0, {"job_id": 1, "attempt": 1, "outcome": "succeeded", "tag": "w1"})
+
+
 def _systemic_duplicates(s: checker.Snapshot) -> None:
     s.effects += [effect(11, "pre") for _ in range(11)]
 
@@ -223,6 +252,12 @@ BREAKS: list[tuple[str, Callable[[checker.Snapshot], None], Any]] = [
     ("awaiters-ran", _awaiter_never_ran, 11),
     ("attempts-bounded", _too_many_attempts, 3),
     ("memoized-steps-stay-run", _rerun_journaled, 1),
+    ("no-double-runs", _claimed_while_live, 3),
+    ("no-double-runs", _ended_twice, 1),
+    ("no-double-runs", _step_twice_in_one_attempt, 13),
+    ("no-double-runs", _two_executors, 1),
+    ("no-double-runs", _reclaimed_and_acked, 1),
+    ("no-double-runs", _success_ran_again, 1),
     ("duplicates-bounded", _systemic_duplicates, "all"),
 ]
 
@@ -289,6 +324,79 @@ def test_the_private_server_crashes_and_the_proxy_cuts() -> None:
     finally:
         proxy.close()
         server.cleanup()
+
+
+def test_the_pooler_options() -> None:
+    if find_binary() is None:
+        with pytest.raises(SystemExit):
+            parse(["--pooler"])
+        pytest.skip("needs PgBouncer (Debian/Ubuntu: apt install pgbouncer)")
+    opts = parse(["--pooler", "--min-pooler-restarts", "2", "--min-kills", "3"])
+    assert (opts.pooler, opts.pooler_restart_every) == (True, 45.0)
+    assert opts.min_chaos == {"kills": 3, "pooler_restarts": 2}
+    assert parse(["--pooler", "--pooler-restart-every", "9"]).pooler_restart_every == 9.0
+    assert not parse([]).pooler
+    for alone in (["--min-pooler-restarts", "1"], ["--pooler-restart-every", "9"]):
+        with pytest.raises(SystemExit):
+            parse(alone)
+
+
+@pytest.mark.timeout(180)
+def test_the_pooler_route_survives_its_restarts_and_a_database_crash(tmp_path: Path) -> None:
+    """The soak's routes with --pooler: every worker through the PgBouncer (the
+    first through the cuttable proxy in front of it), some with a direct URL
+    for LISTEN; the PgBouncer killed and started again, PostgreSQL crashed
+    under it — and it reconnects by itself."""
+    if find_binary() is None:
+        pytest.skip("needs PgBouncer (Debian/Ubuntu: apt install pgbouncer)")
+    driver = Driver(parse(["--pooler", "--logs", str(tmp_path)]))
+    server = driver.server
+    try:
+        server.init()
+        server.start()
+        bouncer = driver.bouncer = PgBouncer(server.url, pool_size=4).start()
+        proxy = driver.proxy = Proxy(bouncer.port).start()
+        proxied, listening, polling = (driver.worker("w1p", proxied=True),
+                                       driver.worker("w2", listen=True), driver.worker("w3"))
+        assert proxied.command()[-2:] == ["--pooler", "transaction"]
+        assert listening.command()[-4:] == ["--pooler", "transaction", "--direct-url",
+                                            server.url]
+        assert polling.command()[-2:] == ["--pooler", "transaction"]
+        finishers = [driver.worker("f1", listen=True, cron=False).command(),
+                     driver.worker("f2", cron=False).command()]
+        assert [f[5:] for f in finishers] == [
+            ["--no-cron", "--pooler", "transaction", "--direct-url", server.url],
+            ["--no-cron", "--pooler", "transaction"]]
+
+        def port_behind(url: str) -> int:
+            with psycopg.connect(url, autocommit=True, prepare_threshold=None,
+                                 connect_timeout=3) as conn:
+                found = conn.execute("SELECT current_setting('port')::int").fetchone()
+                assert found is not None
+                return int(found[0])
+
+        assert {port_behind(w.url) for w in (proxied, listening, polling)} == {server.port}
+        assert psycopg.conninfo.conninfo_to_dict(proxied.url)["port"] == str(proxy.port)
+        assert psycopg.conninfo.conninfo_to_dict(polling.url)["port"] == str(bouncer.port)
+        with psycopg.connect(polling.url, autocommit=True, prepare_threshold=None) as conn:
+            bouncer.kill()
+            with pytest.raises(psycopg.OperationalError):
+                conn.execute("SELECT 1")
+        driver.start_bouncer()
+        assert port_behind(proxied.url) == server.port
+        server.crash_restart(down=0.2)
+        deadline = time.monotonic() + 40  # PgBouncer's server_login_retry is 15 s
+        while True:
+            try:
+                assert port_behind(polling.url) == server.port
+                break
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert bouncer.running
+    finally:
+        driver.teardown()
 
 
 # -- The real engine, its fence broken on purpose -------------------------------------
@@ -367,6 +475,10 @@ def test_an_unfenced_ack_is_caught(db_url: str, monkeypatch: pytest.MonkeyPatch)
     fence = _fence(snap)
     assert not fence.ok
     assert "result from attempt 1" in " ".join(fence.notes)
+    # Attempt 1 was reclaimed (lease_expired) and its own ack landed too: it ran twice.
+    [double] = [r for r in checker.check(snap) if r.name == "no-double-runs"]
+    assert "reclaimed (lease expired) and its executor's succeeded ack applied" in " ".join(
+        double.notes)
 
 
 # -- A short soak with two rules broken in its workers ----------------------------------
