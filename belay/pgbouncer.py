@@ -104,6 +104,7 @@ class PgBouncer:
             f"listen_port = {self.port}\n"
             "unix_socket_dir =\n"
             "auth_type = trust\n"
+            f"admin_users = {user}\n"
             f"auth_file = {root / 'userlist.txt'}\n"
             "pool_mode = transaction\n"
             f"default_pool_size = {self.pool_size}\n"

@@ -277,10 +277,11 @@ def test_a_client_with_notify_off_finds_the_result_by_polling(
 
 
 @pytest.fixture
-def listener(db_url: str) -> Iterator[ResultListener]:
-    with psycopg.connect(db_url) as conn:
+def listener(direct_url: str) -> Iterator[ResultListener]:
+    """A result listener straight to the server (LISTEN never goes through a pooler)."""
+    with psycopg.connect(direct_url) as conn:
         channel = channel_for(conn.info.dbname)
-    instance = ResultListener(db_url, channel)
+    instance = ResultListener(direct_url, channel)
     instance.start()
     assert instance.listening.wait(5)
     try:
@@ -351,8 +352,9 @@ def test_unwatch_stops_delivery_to_that_event_only(listener, sql_conn) -> None:
     assert not gone.is_set()
 
 
-def test_stop_is_idempotent_and_joins_the_thread(db_url, sql_conn, new_listener_threads) -> None:
-    instance = ResultListener(db_url, channel_for(sql_conn.info.dbname))
+def test_stop_is_idempotent_and_joins_the_thread(direct_url, sql_conn,
+                                                 new_listener_threads) -> None:
+    instance = ResultListener(direct_url, channel_for(sql_conn.info.dbname))
     instance.start()
     instance.start()  # a second start is a no-op
     assert instance.listening.wait(5)
@@ -365,8 +367,8 @@ def test_stop_is_idempotent_and_joins_the_thread(db_url, sql_conn, new_listener_
     assert new_listener_threads() == set()
 
 
-def test_a_stopped_listener_starts_again(db_url, sql_conn, new_listener_threads) -> None:
-    instance = ResultListener(db_url, channel_for(sql_conn.info.dbname))
+def test_a_stopped_listener_starts_again(direct_url, sql_conn, new_listener_threads) -> None:
+    instance = ResultListener(direct_url, channel_for(sql_conn.info.dbname))
     instance.start()
     assert instance.listening.wait(5)
     instance.stop()
@@ -408,8 +410,8 @@ def test_the_listener_reconnects_after_losing_its_connection(listener, sql_conn)
 # -- the client owns its listener ----------------------------------------------------------------
 
 
-def test_close_stops_the_listener_thread(db_url, clock, new_listener_threads) -> None:
-    instance = belay.Belay(db_url, clock=clock)
+def test_close_stops_the_listener_thread(client, new_listener_threads) -> None:
+    instance = client
     listener = instance._result_listener()
     assert listener is not None
     assert instance._result_listener() is listener  # one per client
