@@ -9,6 +9,7 @@ port, with a configuration of its own in a temporary directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -128,14 +129,17 @@ class PgBouncer:
             self._dir = tempfile.TemporaryDirectory(prefix="belay-pgbouncer-")
         root = Path(self._dir.name)
         ini = self._write_config(root)
-        command = [self.binary]
+        command = [self.binary, "--quiet"]  # its log goes to pgbouncer.log only
         if os.geteuid() == 0:
             command += ["-u", "nobody"]
         command.append(str(ini))
-        self._proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, start_new_session=True,
-        )
+        # Its stderr into a file: an unread pipe fills up, and PgBouncer then
+        # blocks on its next log line, every connection with it.
+        with open(root / "stderr.log", "ab") as stderr:
+            self._proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=stderr, start_new_session=True,
+            )
         self._wait_listening()
         return self
 
@@ -144,9 +148,7 @@ class PgBouncer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                raise ConfigurationError(f"pgbouncer exited at start: {err.strip()}"
-                                         f"{self._log_tail()}")
+                raise ConfigurationError(f"pgbouncer exited at start:{self._log_tail()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     return
@@ -157,11 +159,11 @@ class PgBouncer:
     def _log_tail(self) -> str:
         if self._dir is None:
             return ""
-        log = Path(self._dir.name) / "pgbouncer.log"
-        try:
-            return "\n" + "\n".join(log.read_text().splitlines()[-10:])
-        except OSError:
-            return ""
+        lines: list[str] = []
+        for name in ("stderr.log", "pgbouncer.log"):
+            with contextlib.suppress(OSError):
+                lines += (Path(self._dir.name) / name).read_text().splitlines()[-10:]
+        return "".join("\n" + line for line in lines)
 
     def kill(self) -> None:
         """SIGKILL: every client and server connection drops at once."""
@@ -171,8 +173,6 @@ class PgBouncer:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
         proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
 
     def restart(self) -> None:
         """Kill and start again on the same port (a crash, a deploy)."""
