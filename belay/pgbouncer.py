@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -118,7 +119,7 @@ class PgBouncer:
             "log_disconnections = 0\n"
         )
         if os.geteuid() == 0:
-            # PgBouncer refuses to run as root; it drops to nobody, who must read these.
+            # PgBouncer refuses to run as root; the user it drops to must read these.
             root.chmod(0o777)
             for path in root.iterdir():
                 path.chmod(0o666)
@@ -131,7 +132,7 @@ class PgBouncer:
         ini = self._write_config(root)
         command = [self.binary, "--quiet"]  # its log goes to pgbouncer.log only
         if os.geteuid() == 0:
-            command += ["-u", "nobody"]
+            command += ["-u", self._run_as()]
         command.append(str(ini))
         # Its stderr into a file: an unread pipe fills up, and PgBouncer then
         # blocks on its next log line, every connection with it.
@@ -142,6 +143,18 @@ class PgBouncer:
             )
         self._wait_listening()
         return self
+
+    def _run_as(self) -> str:
+        """PgBouncer refuses to run as root. It runs as nobody, or, when the
+        server listens on a Unix socket in a directory only its owner may enter
+        (an embedded server's data directory), as that owner."""
+        host = str(self.server.get("host") or "")
+        if host.startswith("/"):
+            with contextlib.suppress(OSError, KeyError):
+                owner = pwd.getpwuid(os.stat(host).st_uid).pw_name
+                if owner != "root":
+                    return owner
+        return "nobody"
 
     def _wait_listening(self, timeout: float = 10.0) -> None:
         assert self._proc is not None
