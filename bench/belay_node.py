@@ -42,9 +42,13 @@ def main() -> None:
     for option in args.queue or ["default=10"]:
         name, value = parse_queue_option(option)
         queues[name] = value
-    worker = belay.Worker(queues, client=belay.Belay(args.url), registry=registry(),
-                          notify=args.notify, poll_interval=args.poll_interval,
-                          busy_poll=min(args.busy_poll, args.poll_interval), shutdown_grace=5)
+    serve(belay.Worker(queues, client=belay.Belay(args.url), registry=registry(),
+                       notify=args.notify, poll_interval=args.poll_interval,
+                       busy_poll=min(args.busy_poll, args.poll_interval), shutdown_grace=5))
+
+
+def serve(worker: belay.Worker) -> None:
+    """Run ``worker`` until SIGTERM, saying ``ready`` once started."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     worker.start()

@@ -57,7 +57,6 @@ import argparse
 import contextlib
 import functools
 import os
-import signal
 import sys
 import threading
 import time
@@ -781,17 +780,11 @@ def section(found: list[Figure], small: Measured, big: Measured,
 def node(url: str) -> None:
     """A belay worker serving ``default=100`` with retention off (the bench
     prunes on its own schedule), until SIGTERM; says ``ready``."""
-    from bench.belay_node import registry
+    from bench.belay_node import registry, serve
 
     keep: dict[str, float | None] = dict.fromkeys(retention.DEFAULT_RETENTION)
-    worker = belay.Worker({"default": 100}, client=belay.Belay(url), registry=registry(),
-                          notify=False, retention=keep, shutdown_grace=5)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    worker.start()
-    print("ready", flush=True)
-    stop.wait()
-    worker.stop()
+    serve(belay.Worker({"default": 100}, client=belay.Belay(url), registry=registry(),
+                       notify=False, retention=keep, shutdown_grace=5))
 
 
 def main(argv: list[str] | None = None) -> int:
