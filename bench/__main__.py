@@ -34,8 +34,9 @@ SCENARIOS = ("raw", "peers", "throughput", "latency", "enqueue", "http", "scale"
 
 
 @contextlib.contextmanager
-def server(url: str | None) -> Iterator[tuple[str, Path | None]]:
-    """The given server, or a private embedded one (with its own pgbench)."""
+def server(url: str | None, settings: str = "") -> Iterator[tuple[str, Path | None]]:
+    """The given server, or a private embedded one (with its own pgbench),
+    started with ``settings`` (postgres command-line options)."""
     if url:
         yield url, None
         return
@@ -43,7 +44,7 @@ def server(url: str | None) -> Iterator[tuple[str, Path | None]]:
 
     # Default settings but more connections: benchmarks must not measure a
     # tuned server (nor the soak's fsync=off).
-    own = Server(settings="")
+    own = Server(settings=settings)
     own.init()
     own.start()
     try:

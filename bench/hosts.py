@@ -454,23 +454,6 @@ def table(figures: list[Figure]) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def _server(url: str | None) -> Iterator[tuple[str, Path | None]]:
-    """The given server, or a private embedded one that loads pg_stat_statements."""
-    if url:
-        yield url, None
-        return
-    from soak.pg import Server
-
-    own = Server(settings="-c shared_preload_libraries=pg_stat_statements")
-    own.init()
-    own.start()
-    try:
-        yield own.url, own.bin
-    finally:
-        own.cleanup()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hosts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -481,9 +464,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="drains per configuration (the median is reported)")
     parser.add_argument("--out", help="also write the Markdown section here")
     args = parser.parse_args(argv)
-    from bench.__main__ import machine
+    from bench.__main__ import machine, server
 
-    with _server(args.url) as (url, bin_dir):
+    # pg_stat_statements loaded: the statements per job.
+    with server(args.url, "-c shared_preload_libraries=pg_stat_statements") as (url, bin_dir):
         bench = Bench(url, quick=args.quick, bin_dir=bin_dir)
         described = machine(url)
         try:
