@@ -63,7 +63,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -73,6 +72,7 @@ from belay import retention, store
 from belay.dashboard.app import Dashboard
 from belay.sql import QUERIES
 from bench.core import Bench, Figure, Proc, median, percentile, processes
+from bench.report import machine_table, publish
 
 SECTION = "bigtable"
 NODE = "bench-bigtable"
@@ -781,8 +781,7 @@ def section(found: list[Figure], small: Measured, big: Measured,
         for what, before, after, plan in big.fixes:
             lines += [f"**{what}**: {_num(before)} ms → {_num(after)} ms", "", "```", plan,
                       "```", ""]
-    lines += ["| machine | |", "|---|---|",
-              *(f"| {key} | {value} |" for key, value in described.items()), ""]
+    lines += machine_table(described)
     return "\n".join(lines)
 
 
@@ -818,10 +817,7 @@ def main(argv: list[str] | None = None) -> int:
             found, small, big = run_measured(bench)
         finally:
             bench.close()
-    report = section(found, small, big, described, args.quick)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    publish(section(found, small, big, described, args.quick), args.out)
     return 0 if found else 1
 
 

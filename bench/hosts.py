@@ -61,6 +61,7 @@ import psycopg
 import belay
 from belay.pgbouncer import PgBouncer, find_binary
 from bench.core import ROOT, Bench, Figure
+from bench.report import machine_table, publish
 from bench.scale import FILL
 
 SECTION = "hosts"
@@ -486,12 +487,7 @@ def main(argv: list[str] | None = None) -> int:
              table(measured), ""]
     if first.get("statements_note"):
         lines += [f"statements/job: n/a — {first['statements_note']}.", ""]
-    lines += ["| machine | |", "|---|---|",
-              *(f"| {key} | {value} |" for key, value in described.items()), ""]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    publish("\n".join([*lines, *machine_table(described)]), args.out)
     return 0 if measured else 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 from bench.core import Figure
 
@@ -59,6 +60,19 @@ def _number(value: float | None) -> str:
     return f"{value:.2f}"
 
 
+def machine_table(machine: dict[str, str]) -> list[str]:
+    """The machine a report was measured on, as Markdown table lines."""
+    return ["| machine | |", "|---|---|",
+            *(f"| {key} | {value} |" for key, value in machine.items()), ""]
+
+
+def publish(report: str, out: str | None) -> None:
+    """Print a scenario's report, and write it to ``out`` when given."""
+    print(report)
+    if out:
+        Path(out).write_text(report)
+
+
 def markdown(figures: list[Figure], machine: dict[str, str], *, quick: bool,
              failures: list[str]) -> str:
     lines = [
@@ -67,10 +81,7 @@ def markdown(figures: list[Figure], machine: dict[str, str], *, quick: bool,
         ("Quick mode (CI sizes): numbers only, too small to judge by."
          if quick else "Full run. Every ratio is against a baseline measured in the same run."),
         "",
-        "| machine | |",
-        "|---|---|",
-        *(f"| {key} | {value} |" for key, value in machine.items()),
-        "",
+        *machine_table(machine),
     ]
     for section in [*SECTIONS, *sorted({f.section for f in figures} - set(SECTIONS))]:
         rows = [f for f in figures if f.section == section]
