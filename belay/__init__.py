@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from belay import errors
-from belay.client import Belay, CancelStatus
+from belay.client import STATS_CAP, Belay, CancelStatus
 from belay.clock import Clock, ManualClock, SystemClock
 from belay.codec import Opaque
 from belay.context import (
@@ -60,6 +60,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "MAX_NAME_BYTES",
     "MIN_REVISION",
+    "STATS_CAP",
     "TIMEOUT",
     "Belay",
     "BelayError",
@@ -279,8 +280,9 @@ def workflow_status(workflow_id: str, *, conn: Conn | None = None) -> WorkflowSt
     return default().workflow_status(workflow_id, conn=conn)
 
 
-def stats(*, conn: Conn | None = None) -> dict[str, dict[str, int]]:
-    return default().stats(conn=conn)
+def stats(*, cap: int | None = STATS_CAP,
+          conn: Conn | None = None) -> dict[str, dict[str, int]]:
+    return default().stats(cap=cap, conn=conn)
 
 
 def signal(

@@ -914,8 +914,17 @@ def _prune(args: argparse.Namespace, client: Belay) -> int:
     # Rate windows a row's rate math still reads are kept, as a worker keeps them.
     specs, _ = queues.merge({}, client.list_queues())
     periods = [spec.rate.period for spec in specs.values() if spec.rate is not None]
+    counts: dict[str, int] = {}
     with client.connection() as conn:
-        counts = retention.prune(conn, client.now(), kept, args.signal_ttl, periods)
+        # Until nothing expired is left: pass after pass, each batch of
+        # PRUNE_BATCH jobs its own transaction (never one huge DELETE).
+        while True:
+            done = retention.prune_pass(conn, client.now(), kept, args.signal_ttl, periods,
+                                        budget=None)
+            for kind, n in done.counts.items():
+                counts[kind] = counts.get(kind, 0) + n
+            if not done.behind:
+                break
     return _emit(args, {"deleted": counts, "retention": kept, "signal_ttl": args.signal_ttl},
                  cliformat.pruned_text(counts))
 

@@ -90,6 +90,7 @@ def borrow(conn: Any) -> Borrowed:
 CancelStatus = Literal["cancelled", "requested", "noop"]
 
 _SCHEMES = ("postgresql://", "postgres://")
+STATS_CAP = store.STATS_CAP
 
 
 def normalize_url(url: str) -> str:
@@ -584,10 +585,15 @@ class Belay:
         with self.connection(conn) as active:
             return WorkflowStatus(workflow_id, store.workflow_jobs(active, workflow_id))
 
-    def stats(self, *, conn: Conn | None = None) -> dict[str, dict[str, int]]:
-        """Job counts per queue, per state."""
+    def stats(self, *, cap: int | None = STATS_CAP,
+              conn: Conn | None = None) -> dict[str, dict[str, int]]:
+        """Job counts per queue, per state. Counting stops at ``cap``: a count
+        above it reads as ``cap + 1`` ("10,000+"), so the read stays a few
+        milliseconds at any table size; ``cap=None`` counts exactly (every
+        index entry: seconds at 10M rows)."""
+        _check_cap(cap)
         with self.connection(conn) as active:
-            rows = store.queue_stats(active)
+            rows = store.queue_stats(active, cap, cap)
         out: dict[str, dict[str, int]] = {}
         for row in rows:
             out.setdefault(row["queue"], {})[row["state"]] = row["count"]
@@ -863,6 +869,13 @@ def _conn_or_session(conn: Any, session: Any) -> Any:
 
 
 _MAX_ID = 2**63 - 1
+
+
+def _check_cap(cap: object) -> None:
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)
+                            or not 1 <= cap < _MAX_ID):
+        raise ValidationError(f"cap is a whole number >= 1, or None to count exactly; "
+                              f"got {cap!r}")
 
 
 def _job_id(job_id: Any, *, what: str = "a job id") -> int:

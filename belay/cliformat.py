@@ -42,7 +42,18 @@ def _cell(value: Any) -> str:
 
 
 def _is_number(text: str) -> bool:
-    return text.replace(",", "").replace(".", "", 1).lstrip("-").isdigit()
+    return text.replace(",", "").replace(".", "", 1).lstrip("-").rstrip("+").isdigit()
+
+
+def count(tile: Mapping[str, Any], state: str | None = None) -> str:
+    """A queue's count for one state, or its total, as ``12`` or ``10,000+``
+    when counting stopped at the cap (:func:`belay.ops.queue_overview`)."""
+    capped = tile.get("capped") or ()
+    if state is None:
+        return f"{tile['total']:,}" + ("+" if capped else "")
+    if state in capped:
+        return f"{tile['count_cap']:,}+"
+    return f"{tile['counts'][state]:,}"
 
 
 def usd(amount: float) -> str:
@@ -89,12 +100,13 @@ def stats_table(overview: Sequence[Mapping[str, Any]]) -> str:
     """``belay stats``: one row per queue from :func:`belay.ops.queue_overview`."""
     if not overview:
         return "no queues yet: no jobs and no belay_queues rows"
-    headers = ["QUEUE", *(s.upper() for s in STATES), "TOTAL", "SPENT", "LAST MINUTE"]
+    headers = ["QUEUE", *(s.upper() for s in STATES), "TOTAL", "UNFINISHED SPENT",
+               "LAST MINUTE"]
     rows = []
     for tile in overview:
         name = tile["queue"] + (" (paused)" if tile["paused"] else "")
         last = ", ".join(f"{n} {state}" for state, n in tile["last_minute"].items() if n) or "-"
-        rows.append([name, *(tile["counts"][s] for s in STATES), tile["total"],
+        rows.append([name, *(count(tile, s) for s in STATES), count(tile),
                      spent(tile["spent_usd"], tile["spent_tokens"]), last])
     return table(headers, rows)
 

@@ -172,13 +172,16 @@ def job_detail(client: Any, job_id: int, *, steps: int = DETAIL_STEPS,
     }
 
 
-def queue_overview(client: Any) -> list[dict[str, Any]]:
+def queue_overview(client: Any, cap: int = store.STATS_CAP) -> list[dict[str, Any]]:
     """One entry per queue that has jobs or a ``belay_queues`` row: counts by
-    state, spend, jobs finished in the last minute by outcome, and the row's
-    options (limit, global_limit, rate, partition, paused)."""
+    state (each stopping at ``cap``: a state over it is listed in ``capped`` and
+    its count reads ``cap + 1``), the cost and tokens of its unfinished jobs,
+    jobs finished in the last minute by outcome, and the row's options (limit,
+    global_limit, rate, partition, paused)."""
     now = client.now()
     with client.connection() as conn:
-        counts = store.queue_stats(conn)
+        counts = store.queue_stats(conn, cap, cap)
+        spend = store.queue_spend_in_flight(conn)
         finished = store.finished_since(conn, now - RATE_WINDOW)
         rows = store.list_queues(conn)
     queues: dict[str, dict[str, Any]] = {}
@@ -186,6 +189,7 @@ def queue_overview(client: Any) -> list[dict[str, Any]]:
     def entry(name: str) -> dict[str, Any]:
         return queues.setdefault(name, {
             "queue": name, "counts": dict.fromkeys(STATES, 0), "total": 0,
+            "capped": [], "count_cap": cap,
             "spent_usd": 0.0, "spent_tokens": 0,
             "last_minute": {"succeeded": 0, "failed": 0, "cancelled": 0},
             "options": None, "paused": False,
@@ -195,8 +199,12 @@ def queue_overview(client: Any) -> list[dict[str, Any]]:
         tile = entry(row["queue"])
         tile["counts"][row["state"]] = row["count"]
         tile["total"] += row["count"]
-        tile["spent_usd"] += row["spent_usd_micros"] / 1_000_000
-        tile["spent_tokens"] += row["spent_tokens"]
+        if row["count"] > cap:
+            tile["capped"].append(row["state"])
+    for row in spend:
+        tile = entry(row["queue"])
+        tile["spent_usd"] = row["spent_usd_micros"] / 1_000_000
+        tile["spent_tokens"] = row["spent_tokens"]
     for row in finished:
         entry(row["queue"])["last_minute"][row["state"]] = row["count"]
     for name, opts in rows.items():

@@ -73,8 +73,15 @@ from belay.outcome import (
 from belay.queues import QueueSpec, adapt_limit, parse_queues
 from belay.queues import merge as merge_queues
 from belay.registry import DEFAULT_REGISTRY, Chunk, Registry
-from belay.retention import DEFAULT_SIGNAL_TTL, PRUNE_INTERVAL, keep_ok, parse_retention
-from belay.retention import prune as prune_once
+from belay.retention import (
+    DEFAULT_SIGNAL_TTL,
+    PRUNE_INTERVAL,
+    PRUNE_PAUSE,
+    Pass,
+    keep_ok,
+    parse_retention,
+    prune_pass,
+)
 
 log = logging.getLogger("belay.worker")
 
@@ -1169,19 +1176,28 @@ class Worker:
     # -- Reclaim (§6) ------------------------------------------------------------------
 
     def _sweep(self) -> None:
-        pruned_at = 0.0
-        while not self._halted.wait(self.sweep_interval):
-            try:
-                self.reclaim()
-                self.reconcile()
-            except Exception:
-                log.exception("belay: reclaiming expired leases failed; retrying")
-            if time.monotonic() - pruned_at >= PRUNE_INTERVAL:
-                pruned_at = time.monotonic()
+        swept_at = prune_due = 0.0
+        wait = self.sweep_interval
+        while not self._halted.wait(wait):
+            if time.monotonic() - swept_at >= self.sweep_interval:
+                swept_at = time.monotonic()
                 try:
-                    self.prune()
+                    self.reclaim()
+                    self.reconcile()
+                except Exception:
+                    log.exception("belay: reclaiming expired leases failed; retrying")
+            if time.monotonic() >= prune_due:
+                behind = False
+                try:
+                    behind = self._prune_pass().behind
                 except Exception:
                     log.exception("belay: pruning old jobs failed; retrying")
+                # Behind (expired jobs left when the pass's budget ran out): the
+                # next pass follows shortly, so retention keeps up with a busy
+                # deployment; reclaim still runs every sweep_interval between.
+                prune_due = time.monotonic() + (PRUNE_PAUSE if behind else PRUNE_INTERVAL)
+            wait = max(0.0, min(self.sweep_interval - (time.monotonic() - swept_at),
+                                prune_due - time.monotonic()))
 
     def prune(self) -> dict[str, int]:
         """§8.7 retention, one pass: delete terminal jobs older than their state's
@@ -1190,11 +1206,14 @@ class Worker:
         non-terminal job; a workflow's members only once all of them are past
         their retention, children only once their parent is.
         Returns how many rows went, by kind."""
+        return self._prune_pass().counts
+
+    def _prune_pass(self) -> Pass:
         with self._connection() as conn:
             # Not started: the static queues with the belay_queues rows over them,
             # as drain() serves them.
             specs = self.live_queues() or self._effective_specs(conn)
-            return prune_once(
+            return prune_pass(
                 conn, self._now(), self.retention, self.signal_ttl,
                 [s.rate.period for s in specs.values() if s.rate is not None],
             )

@@ -165,15 +165,38 @@ def list_jobs(conn: Conn, where: JobFilter) -> list[Job]:
         "workflow_id": where.workflow_id, "parent_id": where.parent_id,
         "before_id": where.before_id, "limit": where.limit,
     }
-    return [Job.from_row(r) for r in _rows(conn, "list_jobs", params)]
+    return [Job.from_row(r) for r in _rows(conn, list_statement(where), params)]
+
+
+def list_statement(where: JobFilter) -> str:
+    """Which ``list_jobs*`` statement serves a filter (pure): a workflow or a
+    parent has its own index; a state and/or a queue reads
+    belay_jobs_state_queue_id_idx in the page-of-ids shape."""
+    if where.workflow_id is not None or where.parent_id is not None:
+        return "list_jobs"
+    if where.state is not None:
+        return "list_jobs_in_state_queue" if where.queue is not None else "list_jobs_in_state"
+    return "list_jobs_in_queue" if where.queue is not None else "list_jobs"
 
 
 def workflow_jobs(conn: Conn, workflow_id: str) -> list[Job]:
     return [Job.from_row(r) for r in _rows(conn, "workflow_jobs", (workflow_id,))]
 
 
-def queue_stats(conn: Conn) -> list[dict[str, Any]]:
-    return _rows(conn, "queue_stats")
+#: Counts per queue and state stop here by default (``Belay.stats()``, the
+#: dashboard, ``belay stats``): an exact count reads every index entry, seconds
+#: at 10M rows.
+STATS_CAP = 10_000
+
+
+def queue_stats(conn: Conn, live_cap: int | None, terminal_cap: int | None
+                ) -> list[dict[str, Any]]:
+    """Jobs per (queue, state); a count above its cap reads as the cap + 1."""
+    return _rows(conn, "queue_stats", {"live_cap": live_cap, "terminal_cap": terminal_cap})
+
+
+def queue_spend_in_flight(conn: Conn) -> list[dict[str, Any]]:
+    return _rows(conn, "queue_spend_in_flight")
 
 
 def finished_since(conn: Conn, since: datetime) -> list[dict[str, Any]]:

@@ -40,6 +40,10 @@ DEFAULT_BUCKETS: tuple[float, ...] = (
 
 #: Seconds a scrape may spend connecting to and reading the database.
 SCRAPE_TIMEOUT = 5.0
+#: ``belay_queue_jobs`` counts unfinished jobs up to this many per queue and
+#: state, finished ones up to ``store.STATS_CAP``; a count over its cap reads
+#: as the cap + 1, so a scrape stays bounded however big the table grows.
+METRICS_LIVE_CAP = 1_000_000
 
 
 def _require() -> None:
@@ -133,7 +137,9 @@ def instrument(worker: Worker, registry: CollectorRegistry | None = None,
 
 
 class QueueDepths:
-    """A collector: jobs per queue and state (``Belay.stats()``), read at each scrape.
+    """A collector: jobs per queue and state, read at each scrape (unfinished
+    jobs counted up to :data:`METRICS_LIVE_CAP`, finished ones up to
+    ``store.STATS_CAP``).
 
     Soft: when the database can't answer within ``timeout`` seconds the scrape
     still succeeds, without ``belay_queue_jobs`` and with
@@ -195,7 +201,11 @@ class QueueDepths:
         # option would not pass a transaction pooler.
         with connect(conninfo, client.pooler, autocommit=True) as conn, conn.transaction():
             store.local_statement_timeout(conn, timeout_ms)
-            return client.stats(conn=conn)
+            rows = store.queue_stats(conn, METRICS_LIVE_CAP, store.STATS_CAP)
+        out: dict[str, dict[str, int]] = {}
+        for row in rows:
+            out.setdefault(row["queue"], {})[row["state"]] = row["count"]
+        return out
 
 
 class _Handler(WSGIRequestHandler):

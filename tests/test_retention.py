@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import belay
-from belay import retention, store
+from belay import retention, runner, store
 from belay.retention import DEFAULT_RETENTION, DEFAULT_SIGNAL_TTL, parse_retention
 from tests.helpers import START, Conn, insert_job, running_job, wait_until
 
@@ -438,7 +438,7 @@ def test_the_sweeper_prunes_on_its_own_at_most_once_a_minute(client, sql_conn,
             return method()
         return counted
 
-    monkeypatch.setattr(worker, "prune", counting("prune", worker.prune))
+    monkeypatch.setattr(worker, "_prune_pass", counting("prune", worker._prune_pass))
     monkeypatch.setattr(worker, "reclaim", counting("reclaim", worker.reclaim))
     old = finished(sql_conn, "succeeded", ago(DAY + 1))
     kept = finished(sql_conn, "succeeded", ago(60))
@@ -451,6 +451,61 @@ def test_the_sweeper_prunes_on_its_own_at_most_once_a_minute(client, sql_conn,
     with lock:
         assert sweeps.count("prune") == 1
     assert_kept_with_history(sql_conn, {kept})
+
+
+def test_a_sweeper_behind_runs_the_next_pass_at_once_until_it_caught_up(
+        client, sql_conn, monkeypatch, small_batches) -> None:
+    """A pass that stops with expired jobs left does not wait a minute for the
+    next: one pass a minute could not keep up with a busy deployment."""
+    small_batches(3, 2)  # 6 jobs per state per pass
+    monkeypatch.setattr(runner, "PRUNE_PAUSE", 0.01)
+    worker = make_worker(client, sweep_interval=0.02, poll_interval=0.05, busy_poll=0.01)
+    passes: list[bool] = []
+    real = worker._prune_pass
+
+    def counted() -> retention.Pass:
+        done = real()
+        passes.append(done.behind)
+        return done
+
+    monkeypatch.setattr(worker, "_prune_pass", counted)
+    reclaims: list[int] = []
+    reclaim = worker.reclaim
+    monkeypatch.setattr(worker, "reclaim", lambda: reclaims.append(1) or reclaim())
+    old = {finished(sql_conn, "failed", ago(WEEK + 1 + i)) for i in range(20)}
+    kept = finished(sql_conn, "failed", ago(60))
+    worker.start()
+    try:
+        wait_until(lambda: not old & jobs(sql_conn), "the sweeper prunes every old job")
+        seen = len(reclaims)
+        wait_until(lambda: len(reclaims) >= seen + 10, "ten more sweeps went by")
+    finally:
+        worker.stop()
+    # 20 jobs, 6 a pass: three passes stopped behind, the fourth finished; then
+    # nothing until the next minute.
+    assert passes == [True, True, True, False]
+    assert_kept_with_history(sql_conn, {kept})
+
+
+def test_a_pass_stops_at_its_time_budget_taking_the_states_in_turn(client, sql_conn,
+                                                                   small_batches) -> None:
+    small_batches(2, 1000)
+    for state in TERMINAL:
+        for i in range(10):
+            finished(sql_conn, state, ago(WEEK + 1 + i))
+    ticks = iter(range(0, 100, 3))  # each reading 3 s after the last
+
+    with client.connection() as conn:
+        done = retention.prune_pass(conn, client.now(), DEFAULT_RETENTION, None, [],
+                                    budget=5.0, monotonic=lambda: float(next(ticks)))
+    # Started at 0 (deadline 5); read 3 after the first round, 6 after the second.
+    assert done == retention.Pass({"succeeded": 4, "failed": 4, "cancelled": 4,
+                                   "rate_windows": 0}, True)
+    with client.connection() as conn:
+        rest = retention.prune_pass(conn, client.now(), DEFAULT_RETENTION, None, [],
+                                    budget=None)
+    assert rest == retention.Pass({"succeeded": 6, "failed": 6, "cancelled": 6,
+                                   "rate_windows": 0}, False)
 
 
 def test_prune_runs_on_a_started_worker(client, sql_conn) -> None:

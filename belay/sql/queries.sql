@@ -115,6 +115,8 @@ SELECT {job_columns} FROM belay_jobs WHERE id = %s FOR UPDATE;
 
 -- name: list_jobs
 -- Newest first; a NULL filter matches everything. before_id pages backwards.
+-- The shape for no filter, or a workflow or parent (each has its own index);
+-- store.list_jobs sends a state or queue filter to the statements below.
 SELECT {job_columns} FROM belay_jobs
 WHERE (%(queue)s::text IS NULL OR queue = %(queue)s::text)
   AND (%(state)s::text IS NULL OR state = %(state)s::text)
@@ -125,14 +127,107 @@ WHERE (%(queue)s::text IS NULL OR queue = %(queue)s::text)
 ORDER BY id DESC
 LIMIT %(limit)s;
 
+-- name: list_jobs_in_state_queue
+-- A state and a queue: the page's ids straight off belay_jobs_state_queue_id_idx
+-- (an index-only scan that stops after `limit` entries), then their rows. In one
+-- statement the planner prefers walking the primary key backwards, expecting
+-- matches spread evenly; behind a million-row ready backlog it read a million
+-- rows (1 s at 10M rows; bench/bigtable_results.md). MATERIALIZED keeps the
+-- two steps apart. before_id is a range bound, never "IS NULL OR", so a generic
+-- plan keeps it as an index condition.
+WITH page AS MATERIALIZED (
+  SELECT id FROM belay_jobs
+  WHERE state = %(state)s AND queue = %(queue)s
+    AND id < COALESCE(%(before_id)s::bigint, 9223372036854775807)
+    AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
+  ORDER BY id DESC
+  LIMIT %(limit)s
+)
+SELECT {job_columns} FROM belay_jobs JOIN page USING (id) ORDER BY id DESC;
+
+-- name: list_jobs_in_state
+-- A state, any queue: the newest `limit` ids of each of the state's queues (the
+-- queues found by skipping through the index, one probe per queue), merged.
+WITH RECURSIVE queues AS (
+  (SELECT queue FROM belay_jobs WHERE state = %(state)s ORDER BY queue LIMIT 1)
+  UNION ALL
+  SELECT (SELECT j.queue FROM belay_jobs j
+          WHERE j.state = %(state)s AND j.queue > q.queue ORDER BY j.queue LIMIT 1)
+  FROM queues q WHERE q.queue IS NOT NULL
+), page AS MATERIALIZED (
+  SELECT newest.id FROM queues CROSS JOIN LATERAL (
+    SELECT id FROM belay_jobs
+    WHERE state = %(state)s AND queue = queues.queue
+      AND id < COALESCE(%(before_id)s::bigint, 9223372036854775807)
+      AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
+    ORDER BY id DESC
+    LIMIT %(limit)s
+  ) AS newest
+  WHERE queues.queue IS NOT NULL
+  ORDER BY newest.id DESC
+  LIMIT %(limit)s
+)
+SELECT {job_columns} FROM belay_jobs JOIN page USING (id) ORDER BY id DESC;
+
+-- name: list_jobs_in_queue
+-- A queue, any state: as above, one index range per state present.
+WITH RECURSIVE states AS (
+  (SELECT state FROM belay_jobs ORDER BY state LIMIT 1)
+  UNION ALL
+  SELECT (SELECT j.state FROM belay_jobs j WHERE j.state > s.state ORDER BY j.state LIMIT 1)
+  FROM states s WHERE s.state IS NOT NULL
+), page AS MATERIALIZED (
+  SELECT newest.id FROM states CROSS JOIN LATERAL (
+    SELECT id FROM belay_jobs
+    WHERE state = states.state AND queue = %(queue)s
+      AND id < COALESCE(%(before_id)s::bigint, 9223372036854775807)
+      AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
+    ORDER BY id DESC
+    LIMIT %(limit)s
+  ) AS newest
+  WHERE states.state IS NOT NULL
+  ORDER BY newest.id DESC
+  LIMIT %(limit)s
+)
+SELECT {job_columns} FROM belay_jobs JOIN page USING (id) ORDER BY id DESC;
+
 -- name: workflow_jobs
 SELECT {job_columns} FROM belay_jobs WHERE workflow_id = %s ORDER BY id;
 
 -- name: queue_stats
-SELECT queue, state, count(*) AS count,
-       COALESCE(sum(spent_usd_micros), 0)::bigint AS spent_usd_micros,
+-- Jobs per queue and state, each count stopping at a cap: a count above
+-- %(live_cap)s (ready, running, awaiting, held, paused) or %(terminal_cap)s
+-- (succeeded, failed, cancelled) comes back as that cap + 1; a NULL cap counts
+-- exactly. The (state, queue) pairs are found by skipping through
+-- belay_jobs_state_queue_id_idx, one probe per pair, and each count is an
+-- index-only scan of its range: no pass over the table, which took 10 s at 10M
+-- rows (bench/bigtable_results.md).
+WITH RECURSIVE pairs AS (
+  (SELECT state, queue FROM belay_jobs ORDER BY state, queue LIMIT 1)
+  UNION ALL
+  SELECT next.state, next.queue FROM pairs CROSS JOIN LATERAL (
+    SELECT j.state, j.queue FROM belay_jobs j
+    WHERE (j.state, j.queue) > (pairs.state, pairs.queue)
+    ORDER BY j.state, j.queue LIMIT 1
+  ) AS next
+)
+SELECT pairs.queue, pairs.state, counted.count FROM pairs CROSS JOIN LATERAL (
+  SELECT count(*) AS count FROM (
+    SELECT FROM belay_jobs j WHERE j.state = pairs.state AND j.queue = pairs.queue
+    LIMIT CASE WHEN pairs.state IN ('succeeded', 'failed', 'cancelled')
+               THEN %(terminal_cap)s::bigint ELSE %(live_cap)s::bigint END + 1
+  ) AS capped
+) AS counted
+ORDER BY pairs.queue, pairs.state;
+
+-- name: queue_spend_in_flight
+-- Cost and tokens so far of the jobs not yet finished, per queue (the
+-- dashboard's tiles): bounded by the work in flight, where a sum over every job
+-- would read the whole table.
+SELECT queue, COALESCE(sum(spent_usd_micros), 0)::bigint AS spent_usd_micros,
        COALESCE(sum(spent_tokens), 0)::bigint AS spent_tokens
-FROM belay_jobs GROUP BY queue, state ORDER BY queue, state;
+FROM belay_jobs WHERE state IN ('running', 'awaiting', 'held', 'paused')
+GROUP BY queue;
 
 -- name: finished_since
 -- Jobs finished per queue and outcome since a moment (the dashboard's rates);

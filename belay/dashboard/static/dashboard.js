@@ -154,11 +154,19 @@
     ]);
   }
 
+  // A count, or "10,000+" where counting stopped at the cap (ops.queue_overview).
+  function countText(q, s) {
+    const capped = q.capped || [];
+    if (s === undefined) return String(q.total) + (capped.length ? "+" : "");
+    if (capped.includes(s)) return String(q.count_cap) + "+";
+    return String(q.counts[s] || 0);
+  }
+
   function tile(q) {
     const counts = STATES.map((s) => el("a", {
       className: "count " + stateClass(s) + (q.counts[s] ? "" : " zero"),
       href: url("/jobs", { queue: q.queue, state: s }),
-    }, [el("b", { text: q.counts[s] || 0 }), el("span", { text: s })]));
+    }, [el("b", { text: countText(q, s) }), el("span", { text: s })]));
     const opts = q.options;
     const options = opts === null || opts === undefined
       ? el("p", { className: "muted", text: "static options (no belay_queues row)" })
@@ -171,7 +179,7 @@
     const minute = q.last_minute;
     const head = [el("h3", {}, [link(url("/jobs", { queue: q.queue }), q.queue)])];
     if (q.paused) head.push(el("span", { className: "badge paused", text: "paused" }));
-    head.push(el("span", { className: "muted", text: q.total + " jobs" }));
+    head.push(el("span", { className: "muted", text: countText(q) + " jobs" }));
     return el("section", { className: "tile", "data-queue": q.queue }, [
       el("header", {}, head),
       el("div", { className: "counts" }, counts),
@@ -179,7 +187,7 @@
       el("p", { className: "minute" }, ["last minute: ", el("b", { text: minute.succeeded || 0 }),
         " succeeded · ", el("b", { text: minute.failed || 0 }), " failed · ",
         el("b", { text: minute.cancelled || 0 }), " cancelled"]),
-      el("p", { className: "muted", text: "spent " + usd(q.spent_usd) + " · " + q.spent_tokens + " tokens" }),
+      el("p", { className: "muted", text: "unfinished jobs spent " + usd(q.spent_usd) + " · " + q.spent_tokens + " tokens" }),
     ]);
   }
 
