@@ -666,13 +666,17 @@ class Worker:
 
     def _claim_jobs(self, spec: QueueSpec, demand: int) -> list[Job]:
         assert self._pool is not None
-        now = self._now()
-        lease_until = now + timedelta(seconds=self.lease_ttl)
         with self._pool.connection() as conn:
             if not spec.admitted:
+                now = self._now()
+                lease_until = now + timedelta(seconds=self.lease_ttl)
                 return store.claim(conn, spec.name, demand, self.node_id, now, lease_until)
             with conn.transaction():
-                return store.claim_admitted(conn, spec, demand, self.node_id, now, lease_until)
+                store.lock_for_claim(conn, spec)
+                now = self._now()  # after the lock (store.lock_for_claim says why)
+                lease_until = now + timedelta(seconds=self.lease_ttl)
+                return store.claim_admitted(conn, spec, demand, self.node_id, now, lease_until,
+                                            locked=True)
 
     def _buffer(self, q: _Queue, execution: Execution, chunk: Chunk) -> None:
         """Hold a chunk worker's job until its chunk fills or its gather time is up

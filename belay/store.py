@@ -433,18 +433,30 @@ def claim(
     return jobs
 
 
+def lock_for_claim(conn: Conn, spec: QueueSpec) -> None:
+    """Take the locks an admitted claim of ``spec`` runs under (transaction-scoped):
+    the queue's, then its shared rate resource's (always in that order, as
+    several queues draw on one resource). Read "now" after this: a claimer that
+    read the clock, then waited here while another claimed in the next rate
+    window, would count against the window before and could overshoot."""
+    lock(conn, names.queue_lock(spec.name))
+    if spec.rate is not None and spec.rate.resource is not None:
+        lock(conn, names.rate_lock(spec.rate.bucket(spec.name)))
+
+
 def claim_admitted(
     conn: Conn, spec: QueueSpec, demand: int, node: str, now: datetime, lease_until: datetime,
-    kinds: Sequence[str] | None = None,
+    kinds: Sequence[str] | None = None, *, locked: bool = False,
 ) -> list[Job]:
     """§6 claim through admission: global limit, rate window, partitions.
 
     Atomic: run inside a transaction. The queue's advisory lock serializes every
     claimer of the queue, so the counts read here can't be raced by another
-    claimer; a shared rate resource takes its bucket's lock too (after the
-    queue's, always in that order), as several queues draw on it.
+    claimer (:func:`lock_for_claim`; ``locked`` when the caller took it, to read
+    ``now`` after it).
     """
-    lock(conn, names.queue_lock(spec.name))
+    if not locked:
+        lock_for_claim(conn, spec)
     take = demand
     if spec.global_limit is not None and spec.partition is None:
         running = int(_value(conn, "live_running_count", {"queue": spec.name, "now": now}))
@@ -453,8 +465,6 @@ def claim_admitted(
     rate = spec.rate
     if rate is not None and take > 0:
         bucket = rate.bucket(spec.name)
-        if rate.resource is not None:
-            lock(conn, names.rate_lock(bucket))
         window = names.window_start(epoch, rate.period)
         counts = {r["window_start"]: r["count"] for r in _rows(
             conn, "rate_windows", {"bucket": bucket, "windows": [window - rate.period, window]}

@@ -556,3 +556,36 @@ def test_a_claim_limited_to_some_kinds_leaves_the_others_untouched(client, clock
     untouched = sql_conn.execute("SELECT count(*) FROM belay_jobs WHERE kind = 'py.only' "
                                  "AND attempt = 0 AND started_at IS NULL").fetchone()
     assert untouched == (2,)
+
+
+def test_a_claimer_reads_the_clock_after_the_queue_lock_so_a_window_cannot_overshoot(
+    client, registry, clock, sql_conn
+) -> None:
+    """Claimer A reads the clock late in one window, then waits on the queue's
+    lock while B claims the whole allowance at the start of the next. Had A
+    counted against the clock it read before waiting, it would see the old,
+    empty window and take the allowance a second time."""
+    client.enqueue_many([belay.JobSpec("t.none", {}, queue="r") for _ in range(8)])
+    spec = parse_spec("r", {"limit": 5, "rate": {"allowed": 5, "period": 60}})
+    boundary = START.replace(second=0) + timedelta(minutes=1)
+    clock.set(boundary - timedelta(seconds=1))  # late in window W1, nothing taken in it
+    worker = belay.Worker({"default": 1}, client=client, registry=registry,
+                          poll_interval=3600, sweep_interval=3600)
+    worker.start()
+    claimed: list[list[belay.Job]] = []
+    try:
+        with client.transaction() as holder:  # the queue's lock, as a claimer holds it
+            store.lock_for_claim(holder, spec)
+            a = threading.Thread(target=lambda: claimed.append(worker._claim_jobs(spec, 5)))
+            a.start()
+            wait_until(lambda: sql_conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            ).fetchone() == (1,), "A waits on the queue's lock")
+            # B, at the start of W2, took the window's whole allowance.
+            clock.set(boundary + timedelta(seconds=1))
+            store.rate_add(holder, spec.rate.bucket("r"), int(boundary.timestamp()), 5)
+        a.join(10)
+    finally:
+        worker.stop()
+    assert claimed == [[]]
+    assert states(sql_conn, "r") == {"ready": 8}

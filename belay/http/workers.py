@@ -583,12 +583,15 @@ class WorkerSessions:
         """Claim one job of this session's kinds through the contract's claim
         statements (admission included), or None."""
         kinds = sorted(session.registration.tasks)
-        now = self.client.clock.now()
-        lease_until = now + timedelta(seconds=self.lease_ttl)
         with conn.transaction():
             if spec.admitted:
+                store.lock_for_claim(conn, spec)
+            # "now" after the queue's lock (store.lock_for_claim says why).
+            now = self.client.clock.now()
+            lease_until = now + timedelta(seconds=self.lease_ttl)
+            if spec.admitted:
                 jobs = store.claim_admitted(conn, spec, 1, session.node_id, now, lease_until,
-                                            kinds=kinds)
+                                            kinds=kinds, locked=True)
             else:
                 jobs = store.claim(conn, spec.name, 1, session.node_id, now, lease_until,
                                    kinds=kinds)
