@@ -105,7 +105,7 @@ def stats_table(overview: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for tile in overview:
         name = tile["queue"] + (" (paused)" if tile["paused"] else "")
-        last = ", ".join(f"{n} {state}" for state, n in tile["last_minute"].items() if n) or "-"
+        last = ", ".join(f"{n:,} {state}" for state, n in tile["last_minute"].items() if n) or "-"
         rows.append([name, *(count(tile, s) for s in STATES), count(tile),
                      spent(tile["spent_usd"], tile["spent_tokens"]), last])
     return table(headers, rows)

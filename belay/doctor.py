@@ -184,14 +184,23 @@ def schema_finding(status: SchemaStatus, latest: int) -> Finding:
     text = f"{status.describe()} (this belay knows revisions up to {latest}, " \
            f"contract major {CONTRACT_MAJOR})"
     if status.revision < latest:
-        return Finding("schema", "warning", text,
-                       f"run `belay migrate` to apply revisions {status.revision + 1} to "
-                       f"{latest} (additive: running workers keep working)", details)
+        fix = (f"run `belay migrate` to apply revisions {status.revision + 1} to {latest} "
+               "(additive: running workers keep working)")
+        if status.revision < STATE_QUEUE_INDEX_REVISION <= latest:
+            fix += ("; revision 4 builds an index over every job and blocks writes while it "
+                    "builds: on a big table, first run CREATE INDEX CONCURRENTLY "
+                    "belay_jobs_state_queue_id_idx ON belay_jobs (state, queue, id); "
+                    "(docs/schema.md)")
+        return Finding("schema", "warning", text, fix, details)
     if status.revision > latest:
         return Finding("schema", "info", text + ": migrated by a newer belay",
                        "nothing needed (newer revisions of the same major are additive); "
                        "upgrade this belay to use them", details)
     return Finding("schema", "ok", text, "", details)
+
+
+#: The revision whose migration builds belay_jobs_state_queue_id_idx.
+STATE_QUEUE_INDEX_REVISION = 4
 
 
 @dataclass(frozen=True)

@@ -172,10 +172,10 @@ def job_detail(client: Any, job_id: int, *, steps: int = DETAIL_STEPS,
     }
 
 
-def queue_overview(client: Any, cap: int = store.STATS_CAP) -> list[dict[str, Any]]:
+def queue_overview(client: Any, cap: int | None = store.STATS_CAP) -> list[dict[str, Any]]:
     """One entry per queue that has jobs or a ``belay_queues`` row: counts by
     state (each stopping at ``cap``: a state over it is listed in ``capped`` and
-    its count reads ``cap + 1``), the cost and tokens of its unfinished jobs,
+    its count reads ``cap + 1``; None counts exactly), the cost and tokens of its unfinished jobs,
     jobs finished in the last minute by outcome, and the row's options (limit,
     global_limit, rate, partition, paused)."""
     now = client.now()
@@ -199,7 +199,7 @@ def queue_overview(client: Any, cap: int = store.STATS_CAP) -> list[dict[str, An
         tile = entry(row["queue"])
         tile["counts"][row["state"]] = row["count"]
         tile["total"] += row["count"]
-        if row["count"] > cap:
+        if cap is not None and row["count"] > cap:
             tile["capped"].append(row["state"])
     for row in spend:
         tile = entry(row["queue"])

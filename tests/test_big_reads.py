@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from typing import Any
 
@@ -196,3 +199,30 @@ def test_the_tiles_spend_is_what_unfinished_jobs_spent(client: belay.Belay,
             "inserted_at) VALUES ('k.one', 'alpha', %s, %s, %s, now())", (state, usd, tokens))
     [tile] = ops.queue_overview(client)
     assert (tile["spent_usd"], tile["spent_tokens"]) == (2.5, 15)
+
+
+def test_belay_stats_shows_the_cap_and_exact_counts_on_request(db_url: str,
+                                                               sql_conn: Conn) -> None:
+    n = belay.STATS_CAP + 5
+    sql_conn.execute("INSERT INTO belay_jobs (kind, queue, state, inserted_at, finished_at) "
+                     "SELECT 'k.one', 'bulk', 'succeeded', now(), now() "
+                     "FROM generate_series(1, %s)", (n,))
+    sql_conn.execute("INSERT INTO belay_jobs (kind, queue, inserted_at) "
+                     "VALUES ('k.one', 'bulk', now())")
+
+    def stats(*extra: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "BELAY_DATABASE_URL"}
+        done = subprocess.run([sys.executable, "-m", "belay", "stats", "--url", db_url, *extra],
+                              capture_output=True, text=True, env=env, timeout=60, check=False)
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr
+        return done
+
+    [tile] = json.loads(stats("--json").stdout)
+    assert (tile["counts"]["succeeded"], tile["counts"]["ready"]) == (belay.STATS_CAP + 1, 1)
+    assert (tile["capped"], tile["count_cap"]) == (["succeeded"], belay.STATS_CAP)
+    row = stats().stdout.splitlines()[1].split()
+    assert row[:1] + row[6:10] == ["bulk", "10,000+", "0", "0", "10,002+"], row
+    [exact_tile] = json.loads(stats("--json", "--exact").stdout)
+    assert (exact_tile["counts"]["succeeded"], exact_tile["total"]) == (n, n + 1)
+    assert (exact_tile["capped"], exact_tile["count_cap"]) == ([], None)
+    assert f"{n:,}" in stats("--exact").stdout

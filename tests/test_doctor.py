@@ -73,6 +73,9 @@ def test_schema_severities():
     assert doctor.schema_finding(SchemaStatus(3, 1), 3).severity == "ok"
     behind = doctor.schema_finding(SchemaStatus(3, 1), 4)
     assert behind.severity == "warning" and "belay migrate" in behind.fix
+    # Revision 4 builds an index over every job: the fix says how to avoid the lock.
+    assert "CREATE INDEX CONCURRENTLY belay_jobs_state_queue_id_idx" in behind.fix
+    assert "CONCURRENTLY" not in doctor.schema_finding(SchemaStatus(4, 1), 5).fix
     assert doctor.schema_finding(SchemaStatus(5, 1), 3).severity == "info"
     missing = doctor.schema_finding(SchemaStatus(0, None), 3)
     assert missing.severity == "error" and "no belay schema" in missing.summary
