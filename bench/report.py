@@ -10,6 +10,9 @@ from pathlib import Path
 from bench.core import Figure
 
 SECTIONS = ("throughput", "targets", "latency", "enqueue", "scale", "idle", "memory")
+#: Runs too long for ``python -m bench``, each measured by its own command into
+#: a results file of its own; a full report carries them after its sections.
+LONG_RUNS = ("hosts_results.md", "vacuum_results.md")
 
 
 def _find(figures: list[Figure], test: Callable[[Figure], bool]) -> Figure | None:
@@ -104,7 +107,30 @@ def markdown(figures: list[Figure], machine: dict[str, str], *, quick: bool,
         lines.append("")
     if failures:
         lines += ["## failed scenarios", "", *(f"- {failure}" for failure in failures), ""]
+    if not quick:
+        lines += long_runs(Path(__file__).parent)
     return "\n".join(lines)
+
+
+def long_runs(folder: Path) -> list[str]:
+    """The :data:`LONG_RUNS` files found in ``folder``, each as one ``##``
+    section (a file's own headings one level down), with where it came from."""
+    lines: list[str] = []
+    for name in LONG_RUNS:
+        path = folder / name
+        if not path.exists():
+            continue
+        text = path.read_text().strip().splitlines()
+        top = min((len(line) - len(line.lstrip("#")) for line in text if line.startswith("#")),
+                  default=2)
+        shift = 2 - top
+        for line in text:
+            if line.startswith("#"):
+                line = "#" * shift + line if shift > 0 else line[-shift:]
+            lines.append(line)
+        lines += ["", f"(From [{name}]({name}), measured on its own; not re-run by "
+                      "`python -m bench`.)", ""]
+    return lines
 
 
 def chart(figures: list[Figure], path: str) -> None:

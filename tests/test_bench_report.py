@@ -55,3 +55,19 @@ def test_targets_compare_belay_with_two_processes_to_each_best_baseline() -> Non
 
 def test_no_targets_without_belay_figures() -> None:
     assert derive_targets([_throughput("raw SQL ceiling", 1.0)]) == []
+
+
+def test_a_full_report_carries_the_long_runs_one_heading_level_down(tmp_path) -> None:
+    from bench.report import long_runs
+
+    (tmp_path / "hosts_results.md").write_text("## hosts — 1 to 8\n\ntext\n\n### Full size\n")
+    (tmp_path / "vacuum_results.md").write_text("# A vacuum held back\n\n## Summary\n| a |\n")
+    lines = long_runs(tmp_path)
+    assert [line for line in lines if line.startswith("#")] == [
+        "## hosts — 1 to 8", "### Full size", "## A vacuum held back", "### Summary"]
+    assert "(From [vacuum_results.md](vacuum_results.md), measured on its own; " \
+           "not re-run by `python -m bench`.)" in lines
+    (tmp_path / "vacuum_results.md").unlink()
+    assert not any("vacuum" in line for line in long_runs(tmp_path))
+    quick = markdown([], {"date": "today"}, quick=True, failures=[])
+    assert "hosts" not in quick
