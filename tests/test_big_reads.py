@@ -184,7 +184,8 @@ def test_the_overview_shows_a_capped_count_with_a_plus(client: belay.Belay,
     assert (tile["capped"], tile["count_cap"], tile["total"]) == (["succeeded"], 5, 9)
     assert (cliformat.count(tile, "succeeded"), cliformat.count(tile, "ready")) == ("5+", "3")
     assert cliformat.count(tile) == "9+"
-    assert (pages.count_text(tile, "succeeded"), pages.count_text(tile)) == ("5+", "9+")
+    page = str(pages.tile(pages.Page(), tile))
+    assert "<b>5+</b><span>succeeded</span>" in page and "9+ jobs" in page
     [exact_tile] = ops.queue_overview(client)
     assert (exact_tile["counts"]["succeeded"], exact_tile["capped"]) == (12, [])
     assert cliformat.count(exact_tile) == "15"

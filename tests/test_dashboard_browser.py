@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import belay
 from tests.helpers import insert_job, job_row
 from tests.test_dashboard import (
     P_IMG,
@@ -124,6 +125,21 @@ def test_the_overview_shows_tiles_and_jobs_enqueued_after_it_loaded(page, dashbo
     expect(tile.locator("a.count.st-ready b")).to_have_text("2")
     assert watch.loads == 1, "the page reloaded"
     assert watch.dialogs == [] and watch.errors == []
+
+
+def test_a_count_over_the_cap_shows_with_a_plus_after_a_live_update(page, dashboard, client,
+                                                                   sql_conn):
+    client.enqueue("mail.send", {"to": "a@example.com"}, queue="bulk")
+    page.goto(dashboard + "/")
+    tile = page.locator('section.tile[data-queue="bulk"]')
+    expect(tile.locator("a.count.st-succeeded b")).to_have_text("0")
+    sql_conn.execute("INSERT INTO belay_jobs (kind, queue, state, inserted_at, finished_at) "
+                     "SELECT 'mail.send', 'bulk', 'succeeded', now(), now() "
+                     "FROM generate_series(1, %s)", (belay.STATS_CAP + 3,))
+    # Drawn by the page's script on its next poll, as the server draws it.
+    expect(tile.locator("a.count.st-succeeded b")).to_have_text("10,000+", timeout=WAIT_MS)
+    expect(tile.locator("a.count.st-ready b")).to_have_text("1")
+    expect(tile).to_contain_text("10,002+ jobs")
 
 
 def test_a_jobs_state_and_new_events_show_without_a_reload(page, dashboard, client, sql_conn):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
+from belay.cliformat import count
 from belay.dashboard import dag
 from belay.dashboard.markup import Safe, html, join, pretty
 from belay.job import STATES
@@ -118,24 +119,13 @@ def layout(page: Page, title: str, name: str, body: Safe, *, api: str = "",
 # -- Overview ----------------------------------------------------------------------------
 
 
-def count_text(q: Mapping[str, Any], state: str | None = None) -> str:
-    """A tile's count for a state, or its total; ``10000+`` where counting
-    stopped at the cap (as dashboard.js's countText)."""
-    capped = q.get("capped") or ()
-    if state is None:
-        return f"{q['total']}" + ("+" if capped else "")
-    if state in capped:
-        return f"{q['count_cap']}+"
-    return f"{q['counts'].get(state, 0)}"
-
-
 def tile(page: Page, q: Mapping[str, Any]) -> Safe:
     """One queue: counts by state (each a link to those jobs), options, last minute."""
     name = q["queue"]
     counts = join(
         html('<a class="count {}{}" href="{}"><b>{}</b><span>{}</span></a>', dag.state_class(s),
              "" if q["counts"].get(s, 0) else " zero", page.url("/jobs", queue=name, state=s),
-             count_text(q, s), s)
+             count(q, s), s)
         for s in STATES)
     opts = q.get("options")
     if opts is None:
@@ -155,7 +145,7 @@ def tile(page: Page, q: Mapping[str, Any]) -> Safe:
         '<p class="muted">unfinished jobs spent {} · {} tokens</p></section>',
         name, page.url("/jobs", queue=name), name,
         html('<span class="badge paused">paused</span>') if q.get("paused") else "",
-        count_text(q), counts, options, minute.get("succeeded", 0), minute.get("failed", 0),
+        count(q), counts, options, minute.get("succeeded", 0), minute.get("failed", 0),
         minute.get("cancelled", 0), usd(q.get("spent_usd")), q.get("spent_tokens", 0))
 
 

@@ -154,12 +154,14 @@
     ]);
   }
 
-  // A count, or "10,000+" where counting stopped at the cap (ops.queue_overview).
+  // A count, or "10,000+" where counting stopped at the cap (ops.queue_overview),
+  // as belay.cliformat.count writes it on the server.
   function countText(q, s) {
     const capped = q.capped || [];
-    if (s === undefined) return String(q.total) + (capped.length ? "+" : "");
-    if (capped.includes(s)) return String(q.count_cap) + "+";
-    return String(q.counts[s] || 0);
+    const n = (v) => Number(v || 0).toLocaleString("en-US");
+    if (s === undefined) return n(q.total) + (capped.length ? "+" : "");
+    if (capped.includes(s)) return n(q.count_cap) + "+";
+    return n(q.counts[s]);
   }
 
   function tile(q) {
