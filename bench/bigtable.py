@@ -62,7 +62,8 @@ worker's sweeper does the same — and a sampler reads ``pg_stat_activity``
 and ``pg_locks`` every 100 ms. Every call of ``belay.store.prune_jobs`` (one
 DELETE statement, its own transaction on an autocommit connection) is
 counted and timed through a wrapper, so the report shows the largest batch
-any statement deleted and the slowest.
+any statement deleted and the slowest; the sampler also records what the
+claimer's backend waits on (``wait_event``) while it runs a statement.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -172,8 +174,9 @@ FINISHED_BETWEEN = """
 SELECT count(*) FROM belay_jobs
 WHERE state = 'succeeded' AND finished_at >= %s AND finished_at < %s
 """
-#: The prune backend: its transaction's age and its locks; and the locks the
-#: claimer waits for (and whether the prune is what holds them).
+#: The prune backend: its transaction's age and its locks; the locks the
+#: claimer waits for (and whether the prune is what holds them), and what the
+#: claimer's backend is waiting on while it runs a statement (IO, WAL, locks).
 ACTIVITY = """
 SELECT a.state, EXTRACT(EPOCH FROM now() - a.xact_start),
        (SELECT array_agg(DISTINCT l.mode) FROM pg_locks AS l
@@ -181,7 +184,10 @@ SELECT a.state, EXTRACT(EPOCH FROM now() - a.xact_start),
        (SELECT count(*) FROM pg_locks AS l WHERE l.pid = a.pid),
        (SELECT array_agg(l.locktype || CASE WHEN a.pid = ANY(pg_blocking_pids(l.pid))
                                       THEN ' behind the prune' ELSE '' END)
-        FROM pg_locks AS l WHERE NOT l.granted AND l.pid = ANY(%(waiters)s::int[]))
+        FROM pg_locks AS l WHERE NOT l.granted AND l.pid = ANY(%(waiters)s::int[])),
+       (SELECT array_agg(w.wait_event_type || ':' || w.wait_event) FROM pg_stat_activity AS w
+        WHERE w.pid = ANY(%(waiters)s::int[]) AND w.state = 'active'
+          AND w.wait_event IS NOT NULL)
 FROM pg_stat_activity AS a WHERE a.pid = %(pid)s
 """
 
@@ -550,6 +556,8 @@ class PruneRun:
     max_locks: int = 0
     claimer_waits: int = 0
     waited_for: set[str] = field(default_factory=set)
+    #: wait_event_type:wait_event of the claimer's backend, how often sampled.
+    claimer_events: Counter[str] = field(default_factory=Counter)
     samples: int = 0
 
 
@@ -619,7 +627,7 @@ def _sampler(url: str, stop: threading.Event, run: PruneRun, pruner: list[int],
             row = conn.execute(ACTIVITY, {"pid": pruner[0], "waiters": claimer}).fetchone()
             if row is None:
                 continue
-            state, xact_age, modes, locks, waits = row
+            state, xact_age, modes, locks, waits, events = row
             run.samples += 1
             if state == "active" and xact_age is not None:
                 run.longest_xact_s = max(run.longest_xact_s, float(xact_age))
@@ -627,6 +635,7 @@ def _sampler(url: str, stop: threading.Event, run: PruneRun, pruner: list[int],
             run.max_locks = max(run.max_locks, int(locks))
             run.claimer_waits += len(waits or [])
             run.waited_for.update(waits or [])
+            run.claimer_events.update(events or [])
 
 
 def count_expired(conn: psycopg.Connection[Any]) -> int:
@@ -832,7 +841,10 @@ def figures(small: Measured, big: Measured, drain: int) -> list[Figure]:
                 f"{busy.longest_xact_s * 1000:.0f} ms, locks on belay_jobs "
                 f"{', '.join(sorted(busy.modes)) or 'none seen'}, claimer lock waits seen "
                 f"{busy.claimer_waits}" + (f" ({', '.join(sorted(busy.waited_for))})"
-                                           if busy.waited_for else ""))
+                                           if busy.waited_for else "")
+                + ", claimer's wait events seen " + (", ".join(
+                    f"{event} {n}x" for event, n in busy.claimer_events.most_common(5))
+                    or "none"))
         for p, ratio_goal in ((50, None), (99, 2.0)):
             value = percentile(busy.claims_ms, p)
             out.append(Figure(

@@ -99,6 +99,7 @@ def test_figures_read_each_big_measurement_against_the_small_one() -> None:
     assert found["belay stats exact (client.stats(cap=None))"].met is None  # no goal
     assert found["claim p99 during prune"].met
     assert "largest 500 rows" in found["claim p99 during prune"].note
+    assert "claimer's wait events seen none" in found["claim p99 during prune"].note
     assert found["prune rate"].value == 500.0
     assert found["one worker clearing the expired rows at that rate"].value == 2.0  # minutes
     assert found[f"CREATE INDEX {bigtable.NEW_INDEX}"].value == 30.0
