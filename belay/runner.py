@@ -1220,6 +1220,7 @@ class Worker:
             return prune_pass(
                 conn, self._now(), self.retention, self.signal_ttl,
                 [s.rate.period for s in specs.values() if s.rate is not None],
+                rest=self._halted.wait,
             )
 
     @contextlib.contextmanager

@@ -493,19 +493,26 @@ def test_a_pass_stops_at_its_time_budget_taking_the_states_in_turn(client, sql_c
     for state in TERMINAL:
         for i in range(10):
             finished(sql_conn, state, ago(WEEK + 1 + i))
-    ticks = iter(range(0, 100, 3))  # each reading 3 s after the last
+    ticks = iter(range(100))  # each reading 1 s after the last
+    rests: list[float] = []
 
     with client.connection() as conn:
         done = retention.prune_pass(conn, client.now(), DEFAULT_RETENTION, None, [],
-                                    budget=5.0, monotonic=lambda: float(next(ticks)))
-    # Started at 0 (deadline 5); read 3 after the first round, 6 after the second.
+                                    budget=10.0, monotonic=lambda: float(next(ticks)),
+                                    rest=rests.append)
+    # Deadline at 10; a batch reads the clock before and after it (1 s apart), a
+    # round then once more: 7 after the first round, 14 after the second. After
+    # each full batch, a rest as long as the batch.
     assert done == retention.Pass({"succeeded": 4, "failed": 4, "cancelled": 4,
                                    "rate_windows": 0}, True)
+    assert rests == [1.0 * retention.PRUNE_REST] * 6
     with client.connection() as conn:
         rest = retention.prune_pass(conn, client.now(), DEFAULT_RETENTION, None, [],
-                                    budget=None)
+                                    budget=None, rest=rests.append)
     assert rest == retention.Pass({"succeeded": 6, "failed": 6, "cancelled": 6,
                                    "rate_windows": 0}, False)
+    # 3 full batches per state, then the short one: no rest after a short batch.
+    assert len(rests) == 6 + 9
 
 
 def test_prune_runs_on_a_started_worker(client, sql_conn) -> None:
