@@ -59,7 +59,13 @@ pruning, then as long again while another thread runs
 ``retention.prune_pass`` with its default budget (``PRUNE_BUDGET``), the
 next pass ``PRUNE_PAUSE`` after the last while it reports ``behind`` — the
 worker's sweeper does the same — and a sampler reads ``pg_stat_activity``
-and ``pg_locks`` every 100 ms. Every call of ``belay.store.prune_jobs`` (one
+and ``pg_locks`` every 100 ms. The prune turn runs twice, one after the
+other (:data:`PRUNE_TURNS`), each as long as the turn without: *paced*, as a
+worker runs it (``prune_pass`` rests ``PRUNE_REST`` times each full batch's
+time, on the stop event's wait: the claim p99 goal is judged on this one),
+then *unpaced* (``rest`` a no-op, the batches back to back as before
+``PRUNE_REST``: the comparison); both against the same turn without
+pruning. Every call of ``belay.store.prune_jobs`` (one
 DELETE statement, its own transaction on an autocommit connection) is
 counted and timed through a wrapper, so the report shows the largest batch
 any statement deleted and the slowest; the sampler also records what the
@@ -559,6 +565,8 @@ class PruneRun:
     #: wait_event_type:wait_event of the claimer's backend, how often sampled.
     claimer_events: Counter[str] = field(default_factory=Counter)
     samples: int = 0
+    #: Whether prune_pass rested after each full batch (as a worker runs it).
+    paced: bool = True
 
 
 def _claimer(url: str, stop: threading.Event, run: PruneRun, pids: list[int]) -> None:
@@ -599,7 +607,11 @@ def _batches_recorded(run: PruneRun) -> Iterator[None]:
 def _pruner(url: str, stop: threading.Event, run: PruneRun, pids: list[int]) -> None:
     """Retention passes as the worker's sweeper runs them: ``prune_pass`` with
     its default budget, the next one PRUNE_PAUSE later while it is behind (a
-    pass that caught up ends it: the sweeper would wait PRUNE_INTERVAL)."""
+    pass that caught up ends it: the sweeper would wait PRUNE_INTERVAL). Paced
+    (``run.paced``), each pass rests on the stop event's wait after each full
+    batch, as a worker's does; unpaced, it does not rest at all (``rest`` a
+    no-op: the batches back to back, as before PRUNE_REST)."""
+    rest: Callable[[float], object] = stop.wait if run.paced else (lambda _s: None)
     with psycopg.connect(url, autocommit=True) as conn, _batches_recorded(run):
         pids.append(conn.info.backend_pid)
         started = run.prune_started = time.monotonic()
@@ -607,7 +619,7 @@ def _pruner(url: str, stop: threading.Event, run: PruneRun, pids: list[int]) -> 
             began = time.monotonic()
             done = retention.prune_pass(conn, datetime.now(timezone.utc),
                                         retention.DEFAULT_RETENTION,
-                                        retention.DEFAULT_SIGNAL_TTL, [])
+                                        retention.DEFAULT_SIGNAL_TTL, [], rest=rest)
             run.pass_s.append(time.monotonic() - began)
             run.passes += 1
             run.behind += done.behind
@@ -649,15 +661,25 @@ def count_expired(conn: psycopg.Connection[Any]) -> int:
     return total
 
 
+#: The prune phase's turns: the claimer alone, then with paced prune passes
+#: (as a worker runs them), then with unpaced ones (no rest between batches).
+PRUNE_TURNS: tuple[tuple[bool, bool], ...] = ((False, True), (True, True), (True, False))
+
+
+def _turn(with_prune: bool, paced: bool) -> str:
+    return ("paced prune" if paced else "unpaced prune") if with_prune else "no prune"
+
+
 def measure_prune(bench: Bench, url: str, conn: psycopg.Connection[Any], seconds: float
-                  ) -> tuple[PruneRun, PruneRun]:
+                  ) -> tuple[PruneRun, PruneRun, PruneRun]:
     """With a worker process draining the ready jobs: the claimer alone for
-    ``seconds``, then as long again with prune passes beside it."""
+    ``seconds``, then as long again with paced prune passes beside it (as a
+    worker runs them), then as long again with unpaced ones."""
     runs = []
     with _worker(url):
         time.sleep(1)
-        for with_prune in (False, True):
-            run, stop = PruneRun(), threading.Event()
+        for with_prune, paced in PRUNE_TURNS:
+            run, stop = PruneRun(paced=paced), threading.Event()
             claimer: list[int] = []
             pruner: list[int] = []
             threads = [threading.Thread(target=_claimer, args=(url, stop, run, claimer),
@@ -677,14 +699,17 @@ def measure_prune(bench: Bench, url: str, conn: psycopg.Connection[Any], seconds
                 thread.join(120)
             row = conn.execute(FINISHED_BETWEEN, (since, datetime.now(timezone.utc))).fetchone()
             run.worker_jobs = (int(row[0]) if row else 0) - run.claimed_jobs
-            bench.log(f"bigtable: claims {'during' if with_prune else 'without'} prune: "
+            bench.log(f"bigtable: claims, {_turn(with_prune, paced)}: "
                       f"p50 {percentile(run.claims_ms, 50):.2f} ms, "
                       f"p99 {percentile(run.claims_ms, 99):.2f} ms, worker "
                       f"{run.worker_jobs / seconds:,.0f} jobs/s"
                       + (f"; pruned {run.pruned:,} in {run.prune_seconds:.0f} s, "
-                         f"{run.passes} passes" if with_prune else ""))
+                         f"{run.passes} passes" if with_prune else "")
+                      + (", claimer waits " + ", ".join(
+                          f"{event} {n}x" for event, n in run.claimer_events.most_common(5))
+                         if with_prune else ""))
             runs.append(run)
-    return runs[0], runs[1]
+    return runs[0], runs[1], runs[2]
 
 
 # -- The scenario ----------------------------------------------------------------------------
@@ -712,7 +737,8 @@ class Measured:
     enqueue_many: float
     claims_ms: list[float]
     drain: float
-    prune: tuple[PruneRun, PruneRun] | None = None
+    #: (without prune, paced prune, unpaced prune)
+    prune: tuple[PruneRun, PruneRun, PruneRun] | None = None
     expired: int = 0
     index: IndexBuild | None = None
     write: WriteCost | None = None
@@ -763,6 +789,70 @@ def _duration(seconds: float) -> str:
     if seconds >= 5400:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
+def _prune_figures(b: str, expired: int, quiet: PruneRun, busy: PruneRun) -> list[Figure]:
+    """The prune phase's figures for one turn with pruning: paced (as a worker
+    runs it: the claim p99 goal) or unpaced (the comparison, no goal)."""
+    out = []
+    during = "during prune" if busy.paced else "during unpaced prune"
+    p99 = percentile(busy.claims_ms, 99) / percentile(quiet.claims_ms, 99)
+    rows = max((n for n, _, _ in busy.batches), default=0)
+    slowest = max((ms for _, ms, _ in busy.batches), default=0.0)
+    how = (f"paced as a worker runs it (rests PRUNE_REST {retention.PRUNE_REST:g} x each "
+           "full batch's time, on the stop event's wait)" if busy.paced
+           else "unpaced (rest a no-op: the batches back to back, as before PRUNE_REST)")
+    note = (f"retention.prune_pass {how}, as the sweeper runs it (PRUNE_BUDGET "
+            f"{retention.PRUNE_BUDGET:g} s, PRUNE_PAUSE {retention.PRUNE_PAUSE:g} s while "
+            f"behind; PRUNE_BATCH {retention.PRUNE_BATCH}, PRUNE_BATCHES "
+            f"{retention.PRUNE_BATCHES}; default retention: succeeded 1 day, failed/"
+            f"cancelled 7 days); {busy.passes} passes ({busy.behind} behind), longest "
+            f"{max(busy.pass_s, default=0.0):.2f} s; {len(busy.batches):,} DELETE "
+            f"statements, largest {rows} rows, slowest {slowest:.0f} ms; "
+            f"sampled {busy.samples}x: longest prune transaction seen "
+            f"{busy.longest_xact_s * 1000:.0f} ms, locks on belay_jobs "
+            f"{', '.join(sorted(busy.modes)) or 'none seen'}, claimer lock waits seen "
+            f"{busy.claimer_waits}" + (f" ({', '.join(sorted(busy.waited_for))})"
+                                       if busy.waited_for else "")
+            + ", claimer's wait events seen " + (", ".join(
+                f"{event} {n}x" for event, n in busy.claimer_events.most_common(5))
+                or "none"))
+    for p, ratio_goal in ((50, None), (99, 2.0 if busy.paced else None)):
+        value = percentile(busy.claims_ms, p)
+        out.append(Figure(
+            SECTION, f"claim p{p} {during}, {b}", value, "ms",
+            baseline=f"claim p{p} without prune, same database",
+            baseline_value=percentile(quiet.claims_ms, p), higher_is_better=False,
+            target="≤ 2x" if ratio_goal else None,
+            met=(p99 <= ratio_goal) if ratio_goal else None, note=note))
+    out.append(Figure(
+        SECTION, f"claim + ack of the claimer thread {during}, {b}",
+        busy.claimed_jobs / busy.seconds, "jobs/s", baseline="without prune, same database",
+        baseline_value=quiet.claimed_jobs / quiet.seconds,
+        note="store.claim of 10 + ack_succeeded_many, one connection, back to back"))
+    out.append(Figure(
+        SECTION, f"worker process jobs/s {during}, {b}", busy.worker_jobs / busy.seconds,
+        "jobs/s", baseline="without prune, same database",
+        baseline_value=quiet.worker_jobs / quiet.seconds,
+        note="belay.Worker (default=100, polling, its own retention off), draining the "
+             "ready rows beside the claimer thread"))
+    half = busy.prune_started + busy.prune_seconds / 2
+    first = sum(n for n, _, at in busy.batches if at <= half)
+    rate = busy.pruned / max(busy.prune_seconds, 1e-9)
+    name = "prune rate" if busy.paced else "prune rate unpaced"
+    out.append(Figure(
+        SECTION, f"{name}, {b}", rate,
+        "rows/s", note=f"{busy.pruned:,} rows in {busy.prune_seconds:.0f} s "
+        f"({first:,} in the first half, {busy.pruned - first:,} in the second)",
+        extra={"pruned": busy.pruned}))
+    if busy.paced and expired and rate:
+        out.append(Figure(
+            SECTION, f"one worker clearing the expired rows at that rate, {b}",
+            expired / rate / 60, "min", higher_is_better=False,
+            note=f"{expired:,} rows past the default retention before the prune "
+                 f"phase ÷ the paced prune rate: about {_duration(expired / rate)} "
+                 "(projected, not measured)"))
+    return out
 
 
 def figures(small: Measured, big: Measured, drain: int) -> list[Figure]:
@@ -826,59 +916,9 @@ def figures(small: Measured, big: Measured, drain: int) -> list[Figure]:
                      + ", ".join(f"{v:,.0f}" for v in values[True]) + "; without: "
                      + ", ".join(f"{v:,.0f}" for v in values[False])))
     if big.prune is not None:
-        quiet, busy = big.prune
-        p99 = percentile(busy.claims_ms, 99) / percentile(quiet.claims_ms, 99)
-        rows = max((n for n, _, _ in busy.batches), default=0)
-        slowest = max((ms for _, ms, _ in busy.batches), default=0.0)
-        note = (f"retention.prune_pass back to back as the sweeper runs it (PRUNE_BUDGET "
-                f"{retention.PRUNE_BUDGET:g} s, PRUNE_PAUSE {retention.PRUNE_PAUSE:g} s while "
-                f"behind; PRUNE_BATCH {retention.PRUNE_BATCH}, PRUNE_BATCHES "
-                f"{retention.PRUNE_BATCHES}; default retention: succeeded 1 day, failed/"
-                f"cancelled 7 days); {busy.passes} passes ({busy.behind} behind), longest "
-                f"{max(busy.pass_s, default=0.0):.2f} s; {len(busy.batches):,} DELETE "
-                f"statements, largest {rows} rows, slowest {slowest:.0f} ms; "
-                f"sampled {busy.samples}x: longest prune transaction seen "
-                f"{busy.longest_xact_s * 1000:.0f} ms, locks on belay_jobs "
-                f"{', '.join(sorted(busy.modes)) or 'none seen'}, claimer lock waits seen "
-                f"{busy.claimer_waits}" + (f" ({', '.join(sorted(busy.waited_for))})"
-                                           if busy.waited_for else "")
-                + ", claimer's wait events seen " + (", ".join(
-                    f"{event} {n}x" for event, n in busy.claimer_events.most_common(5))
-                    or "none"))
-        for p, ratio_goal in ((50, None), (99, 2.0)):
-            value = percentile(busy.claims_ms, p)
-            out.append(Figure(
-                SECTION, f"claim p{p} during prune, {b}", value, "ms",
-                baseline=f"claim p{p} without prune, same database",
-                baseline_value=percentile(quiet.claims_ms, p), higher_is_better=False,
-                target="≤ 2x" if ratio_goal else None,
-                met=(p99 <= ratio_goal) if ratio_goal else None, note=note))
-        out.append(Figure(
-            SECTION, f"claim + ack of the claimer thread during prune, {b}",
-            busy.claimed_jobs / busy.seconds, "jobs/s", baseline="without prune, same database",
-            baseline_value=quiet.claimed_jobs / quiet.seconds,
-            note="store.claim of 10 + ack_succeeded_many, one connection, back to back"))
-        out.append(Figure(
-            SECTION, f"worker process jobs/s during prune, {b}", busy.worker_jobs / busy.seconds,
-            "jobs/s", baseline="without prune, same database",
-            baseline_value=quiet.worker_jobs / quiet.seconds,
-            note="belay.Worker (default=100, polling, its own retention off), draining the "
-                 "ready rows beside the claimer thread"))
-        half = busy.prune_started + busy.prune_seconds / 2
-        first = sum(n for n, _, at in busy.batches if at <= half)
-        rate = busy.pruned / max(busy.prune_seconds, 1e-9)
-        out.append(Figure(
-            SECTION, f"prune rate, {b}", rate,
-            "rows/s", note=f"{busy.pruned:,} rows in {busy.prune_seconds:.0f} s "
-            f"({first:,} in the first half, {busy.pruned - first:,} in the second)",
-            extra={"pruned": busy.pruned}))
-        if big.expired and rate:
-            out.append(Figure(
-                SECTION, f"one worker clearing the expired rows at that rate, {b}",
-                big.expired / rate / 60, "min", higher_is_better=False,
-                note=f"{big.expired:,} rows past the default retention before the prune "
-                     f"phase ÷ the prune rate: about {_duration(big.expired / rate)} "
-                     "(projected, not measured)"))
+        quiet, paced, unpaced = big.prune
+        for busy in (paced, unpaced):
+            out += _prune_figures(b, big.expired, quiet, busy)
     for f in out:
         f.extra.setdefault("small", s)
     return out

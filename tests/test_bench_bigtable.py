@@ -88,10 +88,13 @@ def test_figures_read_each_big_measurement_against_the_small_one() -> None:
     quiet, busy = bigtable.PruneRun([1.0] * 10, 100, 10.0), bigtable.PruneRun(
         [1.5] * 10, 80, 10.0, pruned=5_000, prune_seconds=10.0, passes=5, behind=5,
         pass_s=[2.0] * 5, batches=[(500, 20.0, 1.0)] * 10, worker_jobs=900)
+    unpaced = bigtable.PruneRun(
+        [3.0] * 10, 50, 10.0, pruned=10_000, prune_seconds=10.0, passes=5, behind=5,
+        pass_s=[2.0] * 5, batches=[(500, 40.0, 1.0)] * 20, worker_jobs=800, paced=False)
     write = bigtable.WriteCost(1_000, {True: [900.0, 1_000.0], False: [1_000.0, 1_000.0]},
                                {True: [1_500.0, 1_500.0], False: [1_600.0, 1_400.0]})
     small = _measured(1.0)
-    big = _measured(1.2, prune=(quiet, busy), expired=60_000, write=write,
+    big = _measured(1.2, prune=(quiet, busy, unpaced), expired=60_000, write=write,
                     index=bigtable.IndexBuild(30.0, 45.0, "300 MB", "maintenance_work_mem 64MB"))
     found = {f.name.split(", ")[0]: f for f in bigtable.figures(small, big, 1_000)}
     assert found["claim p50"].met and round(found["claim p50"].ratio or 0, 2) == 1.2
@@ -101,6 +104,13 @@ def test_figures_read_each_big_measurement_against_the_small_one() -> None:
     assert "largest 500 rows" in found["claim p99 during prune"].note
     assert "claimer's wait events seen none" in found["claim p99 during prune"].note
     assert found["prune rate"].value == 500.0
+    # Unpaced: the comparison, no goal (3x here would miss it).
+    unpaced_p99 = found["claim p99 during unpaced prune"]
+    assert unpaced_p99.met is None and unpaced_p99.ratio == 3.0
+    assert "unpaced" in unpaced_p99.note and "paced as a worker" in \
+        found["claim p99 during prune"].note
+    assert found["prune rate unpaced"].value == 1_000.0
+    assert "claim + ack of the claimer thread during unpaced prune" in found
     assert found["one worker clearing the expired rows at that rate"].value == 2.0  # minutes
     assert found[f"CREATE INDEX {bigtable.NEW_INDEX}"].value == 30.0
     assert found[f"CREATE INDEX CONCURRENTLY {bigtable.NEW_INDEX}"].value == 45.0
