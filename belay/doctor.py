@@ -189,8 +189,8 @@ def schema_finding(status: SchemaStatus, latest: int) -> Finding:
         if status.revision < STATE_QUEUE_INDEX_REVISION <= latest:
             fix += ("; revision 4 builds an index over every job and blocks writes while it "
                     "builds: on a big table, first run CREATE INDEX CONCURRENTLY "
-                    "belay_jobs_state_queue_id_idx ON belay_jobs (state, queue, id); "
-                    "(docs/schema.md)")
+                    "belay_jobs_state_queue_id_idx ON belay_jobs (state, queue, id) "
+                    "WHERE id > 0; (docs/schema.md)")
         return Finding("schema", "warning", text, fix, details)
     if status.revision > latest:
         return Finding("schema", "info", text + ": migrated by a newer belay",

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -129,6 +130,31 @@ def test_a_filtered_list_reads_the_index_never_the_whole_table(
     assert "belay_jobs_state_queue_id_idx" in shown
     assert "Seq Scan" not in shown
     assert '"Scan Direction": "Backward", "Index Name": "belay_jobs_pkey"' not in shown
+
+
+@pytest.mark.direct_only
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_a_claim_never_reads_the_state_queue_index(direct_url: str, generic: bool) -> None:
+    """The claim walks belay_jobs_claim_order_idx in claim order. Had the operator
+    index no predicate the claim can't state (``id > 0``), the planner could read
+    it and sort the ready set instead; it did, while a long transaction held
+    vacuum back (bench/vacuum_results.md). Few ready rows among many finished
+    ones, dead entries in the claim index: the shape that tempted it."""
+    with psycopg.connect(direct_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO belay_jobs (kind, queue, state, inserted_at, finished_at) "
+            "SELECT 'k.one', 'alpha', 'succeeded', now(), now() FROM generate_series(1, 20000)")
+        conn.execute("INSERT INTO belay_jobs (kind, queue, inserted_at) "
+                     "SELECT 'k.one', 'alpha', now() FROM generate_series(1, 3000)")
+        conn.execute("VACUUM ANALYZE belay_jobs")
+        conn.execute("UPDATE belay_jobs SET state = 'succeeded' WHERE state = 'ready' "
+                     "AND id % 100 <> 0")  # dead entries the claim index keeps
+        shown = plan(conn, "claim", {"queue": "alpha", "now": datetime.now(timezone.utc),
+                                     "take": 10, "kinds": None, "node": "n",
+                                     "lease_until": datetime.now(timezone.utc)},
+                     generic=generic)
+    assert "belay_jobs_claim_order_idx" in shown
+    assert "belay_jobs_state_queue_id_idx" not in shown
 
 
 # -- counts ------------------------------------------------------------------------------

@@ -75,6 +75,7 @@ def test_schema_severities():
     assert behind.severity == "warning" and "belay migrate" in behind.fix
     # Revision 4 builds an index over every job: the fix says how to avoid the lock.
     assert "CREATE INDEX CONCURRENTLY belay_jobs_state_queue_id_idx" in behind.fix
+    assert "WHERE id > 0" in behind.fix
     assert "CONCURRENTLY" not in doctor.schema_finding(SchemaStatus(4, 1), 5).fix
     assert doctor.schema_finding(SchemaStatus(5, 1), 3).severity == "info"
     missing = doctor.schema_finding(SchemaStatus(0, None), 3)

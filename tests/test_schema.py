@@ -186,7 +186,8 @@ EXPECTED_INDEXES: dict[str, dict[str, str]] = {
         ),
         # Migration 4: counts per queue and state, and the filtered job list.
         "belay_jobs_state_queue_id_idx": (
-            f"CREATE INDEX belay_jobs_state_queue_id_idx {_ON} (state, queue, id)"
+            f"CREATE INDEX belay_jobs_state_queue_id_idx {_ON} (state, queue, id) "
+            "WHERE (id > 0)"
         ),
     },
     "belay_steps": {

@@ -134,10 +134,11 @@ LIMIT %(limit)s;
 -- matches spread evenly; behind a million-row ready backlog it read a million
 -- rows (1 s at 10M rows; bench/bigtable_results.md). MATERIALIZED keeps the
 -- two steps apart. before_id is a range bound, never "IS NULL OR", so a generic
--- plan keeps it as an index condition.
+-- plan keeps it as an index condition. `id > 0` is the index's predicate
+-- (migration 4 says why).
 WITH page AS MATERIALIZED (
   SELECT id FROM belay_jobs
-  WHERE state = %(state)s AND queue = %(queue)s
+  WHERE id > 0 AND state = %(state)s AND queue = %(queue)s
     AND id < COALESCE(%(before_id)s::bigint, 9223372036854775807)
     AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
   ORDER BY id DESC
@@ -149,15 +150,16 @@ SELECT {job_columns} FROM belay_jobs JOIN page USING (id) ORDER BY id DESC;
 -- A state, any queue: the newest `limit` ids of each of the state's queues (the
 -- queues found by skipping through the index, one probe per queue), merged.
 WITH RECURSIVE queues AS (
-  (SELECT queue FROM belay_jobs WHERE state = %(state)s ORDER BY queue LIMIT 1)
+  (SELECT queue FROM belay_jobs WHERE id > 0 AND state = %(state)s ORDER BY queue LIMIT 1)
   UNION ALL
   SELECT (SELECT j.queue FROM belay_jobs j
-          WHERE j.state = %(state)s AND j.queue > q.queue ORDER BY j.queue LIMIT 1)
+          WHERE j.id > 0 AND j.state = %(state)s AND j.queue > q.queue
+          ORDER BY j.queue LIMIT 1)
   FROM queues q WHERE q.queue IS NOT NULL
 ), page AS MATERIALIZED (
   SELECT newest.id FROM queues CROSS JOIN LATERAL (
     SELECT id FROM belay_jobs
-    WHERE state = %(state)s AND queue = queues.queue
+    WHERE id > 0 AND state = %(state)s AND queue = queues.queue
       AND id < COALESCE(%(before_id)s::bigint, 9223372036854775807)
       AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
     ORDER BY id DESC
@@ -172,14 +174,15 @@ SELECT {job_columns} FROM belay_jobs JOIN page USING (id) ORDER BY id DESC;
 -- name: list_jobs_in_queue
 -- A queue, any state: as above, one index range per state present.
 WITH RECURSIVE states AS (
-  (SELECT state FROM belay_jobs ORDER BY state LIMIT 1)
+  (SELECT state FROM belay_jobs WHERE id > 0 ORDER BY state LIMIT 1)
   UNION ALL
-  SELECT (SELECT j.state FROM belay_jobs j WHERE j.state > s.state ORDER BY j.state LIMIT 1)
+  SELECT (SELECT j.state FROM belay_jobs j WHERE j.id > 0 AND j.state > s.state
+          ORDER BY j.state LIMIT 1)
   FROM states s WHERE s.state IS NOT NULL
 ), page AS MATERIALIZED (
   SELECT newest.id FROM states CROSS JOIN LATERAL (
     SELECT id FROM belay_jobs
-    WHERE state = states.state AND queue = %(queue)s
+    WHERE id > 0 AND state = states.state AND queue = %(queue)s
       AND id < COALESCE(%(before_id)s::bigint, 9223372036854775807)
       AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
     ORDER BY id DESC
@@ -201,19 +204,20 @@ SELECT {job_columns} FROM belay_jobs WHERE workflow_id = %s ORDER BY id;
 -- exactly. The (state, queue) pairs are found by skipping through
 -- belay_jobs_state_queue_id_idx, one probe per pair, and each count is an
 -- index-only scan of its range: no pass over the table, which took 10 s at 10M
--- rows (bench/bigtable_results.md).
+-- rows (bench/bigtable_results.md). `id > 0` is the index's predicate.
 WITH RECURSIVE pairs AS (
-  (SELECT state, queue FROM belay_jobs ORDER BY state, queue LIMIT 1)
+  (SELECT state, queue FROM belay_jobs WHERE id > 0 ORDER BY state, queue LIMIT 1)
   UNION ALL
   SELECT next.state, next.queue FROM pairs CROSS JOIN LATERAL (
     SELECT j.state, j.queue FROM belay_jobs j
-    WHERE (j.state, j.queue) > (pairs.state, pairs.queue)
+    WHERE j.id > 0 AND (j.state, j.queue) > (pairs.state, pairs.queue)
     ORDER BY j.state, j.queue LIMIT 1
   ) AS next
 )
 SELECT pairs.queue, pairs.state, counted.count FROM pairs CROSS JOIN LATERAL (
   SELECT count(*) AS count FROM (
-    SELECT FROM belay_jobs j WHERE j.state = pairs.state AND j.queue = pairs.queue
+    SELECT FROM belay_jobs j
+    WHERE j.id > 0 AND j.state = pairs.state AND j.queue = pairs.queue
     LIMIT CASE WHEN pairs.state IN ('succeeded', 'failed', 'cancelled')
                THEN %(terminal_cap)s::bigint ELSE %(live_cap)s::bigint END + 1
   ) AS capped
