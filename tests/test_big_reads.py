@@ -133,6 +133,19 @@ def test_a_filtered_list_reads_the_index_never_the_whole_table(
 
 
 @pytest.mark.direct_only
+def test_the_tiles_spend_reads_the_index_not_the_table(direct_url: str) -> None:
+    with psycopg.connect(direct_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO belay_jobs (kind, queue, state, inserted_at, finished_at) "
+            "SELECT 'k.one', 'alpha', 'succeeded', now(), now() FROM generate_series(1, 60000)")
+        conn.execute("INSERT INTO belay_jobs (kind, queue, state, inserted_at) "
+                     "SELECT 'k.one', 'alpha', 'running', now() FROM generate_series(1, 5)")
+        conn.execute("VACUUM ANALYZE belay_jobs")
+        shown = plan(conn, "queue_spend_in_flight", {}, generic=False)
+    assert "belay_jobs_state_queue_id_idx" in shown and "Seq Scan" not in shown
+
+
+@pytest.mark.direct_only
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 def test_a_claim_never_reads_the_state_queue_index(direct_url: str, generic: bool) -> None:
     """The claim walks belay_jobs_claim_order_idx in claim order. Had the operator
