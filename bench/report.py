@@ -112,15 +112,31 @@ def markdown(figures: list[Figure], machine: dict[str, str], *, quick: bool,
     return "\n".join(lines)
 
 
+def _marked(lines: list[str]) -> list[str]:
+    """A results file's title and the blocks between ``<!-- results -->`` and
+    ``<!-- /results -->``; the whole file when it marks none."""
+    if "<!-- results -->" not in lines:
+        return lines
+    kept, inside = [*lines[:1], ""], False
+    for line in lines[1:]:
+        if line.strip() in ("<!-- results -->", "<!-- /results -->"):
+            inside = line.strip() == "<!-- results -->"
+            continue
+        if inside:
+            kept.append(line)
+    return kept
+
+
 def long_runs(folder: Path) -> list[str]:
     """The :data:`LONG_RUNS` files found in ``folder``, each as one ``##``
-    section (a file's own headings one level down), with where it came from."""
+    section (a file's own headings one level down; only its marked blocks, when
+    it marks some), with where it came from."""
     lines: list[str] = []
     for name in LONG_RUNS:
         path = folder / name
         if not path.exists():
             continue
-        text = path.read_text().strip().splitlines()
+        text = _marked(path.read_text().strip().splitlines())
         top = min((len(line) - len(line.lstrip("#")) for line in text if line.startswith("#")),
                   default=2)
         shift = 2 - top

@@ -67,6 +67,13 @@ def test_a_full_report_carries_the_long_runs_one_heading_level_down(tmp_path) ->
         "## hosts — 1 to 8", "### Full size", "## A vacuum held back", "### Summary"]
     assert "(From [vacuum_results.md](vacuum_results.md), measured on its own; " \
            "not re-run by `python -m bench`.)" in lines
+    (tmp_path / "vacuum_results.md").write_text(
+        "# Vacuum\n\nlong method\n<!-- results -->\n## Summary\n| a |\n<!-- /results -->\n"
+        "## Per minute\n| many |\n<!-- results -->\nrecovered in 8 s\n<!-- /results -->\n")
+    marked = long_runs(tmp_path)
+    vacuum = marked[marked.index("## Vacuum"):]
+    assert vacuum[:5] == ["## Vacuum", "", "### Summary", "| a |", "recovered in 8 s"]
+    assert "long method" not in marked and "| many |" not in marked
     (tmp_path / "vacuum_results.md").unlink()
     assert not any("vacuum" in line for line in long_runs(tmp_path))
     quick = markdown([], {"date": "today"}, quick=True, failures=[])
