@@ -10,6 +10,17 @@ package — so a machine with nothing but Python runs the suite.
 ``db_url`` then goes through it, with ``BELAY_POOLER=transaction`` set for the
 run, while the harness's own raw SQL (``sql_conn``, ``direct_url``,
 ``notes``) stays direct.
+
+The suite runs in parallel under pytest-xdist (``-n auto`` in pyproject.toml;
+``-n 0`` runs it in one process). Each worker is a process of its own, so each
+starts its own embedded server or container, its own PgBouncer, and names its
+databases after itself (``WORKER`` and its pid): on a shared
+``BELAY_TEST_DATABASE_URL`` server no two workers' names collide, and a worker
+drops only its own. The tests that load the whole machine (real worker fleets,
+the soak, a browser) or bound CPU-bound work by the wall clock share one xdist
+group (``HEAVY_*``), so two of them never run at once; tests that read
+server-wide views (``pg_locks``, ``pg_stat_activity``) filter them to their own
+database.
 """
 
 from __future__ import annotations
@@ -84,6 +95,61 @@ def server_url() -> Iterator[str]:
 POOLED = os.environ.get("BELAY_TEST_POOLER", "") == "pgbouncer"
 
 
+#: The xdist worker this process is (``gw0``, ``gw1``, …), or "" without xdist.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+
+#: What the databases this process creates are named after: unique among the
+#: processes of every run on the server at once.
+NAME_TAG = f"{WORKER}_{os.getpid()}" if WORKER else str(os.getpid())
+
+#: The xdist group ``heavy``: the modules that drive many processes, a browser
+#: or a chaos run, the tests elsewhere that start ``belay worker`` processes and
+#: wait a bounded time for them to import and start, and those that give CPU-bound
+#: work in a child process a few seconds of wall clock. Under ``--dist
+#: loadgroup`` one worker runs them one after another (the group goes out first,
+#: as the largest unit) while the others run the rest, so two of them never
+#: compete for the machine. Matched on test ids by the scheduler below: the
+#: controller collects no tests, so it never sees a marker, and pytest >= 9.2
+#: no longer lets xdist 3.8 rename a marked test into its group.
+HEAVY_MODULES = frozenset({
+    "test_many_hosts.py",
+    "test_soak.py",
+    "test_worker_processes.py",
+    "test_dashboard_browser.py",
+})
+HEAVY_TESTS = frozenset({  # module::function (every parametrization of it)
+    "test_langgraph.py::test_a_killed_graph_run_resumes_from_its_last_checkpoint",
+    "test_langgraph.py::test_a_killed_agent_does_not_repeat_its_journaled_model_calls",
+    "test_langgraph.py::test_a_budget_crossed_before_a_kill_fails_the_next_attempt_before_any_call",
+    "test_langgraph.py::test_workers_setting_up_the_saver_at_once_on_a_fresh_database_all_succeed",
+    "test_pydantic_ai.py::test_a_killed_worker_resumes_without_repeating_model_calls",
+    "test_pydantic_ai.py::test_a_budget_crossed_before_a_kill_fails_the_next_attempt_before_any_call",
+    "test_steps.py::test_kill_9_mid_loop_replays_committed_steps_and_pays_once",
+    "test_outcome.py::test_a_cyclic_result_with_a_big_integer_is_a_bad_result_not_a_hang",
+    "test_outcome.py::test_a_deeply_nested_result_with_a_big_integer_is_a_bad_result",
+})
+
+
+def heavy(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` belongs to the xdist group ``heavy``."""
+    path, _, name = nodeid.partition("::")
+    module = path.rsplit("/", 1)[-1]
+    return module in HEAVY_MODULES or f"{module}::{name.split('[', 1)[0]}" in HEAVY_TESTS
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Scheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "heavy" if heavy(nodeid) else super()._split_scope(nodeid)
+
+    return Scheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if not POOLED:
         return
@@ -148,7 +214,7 @@ def _drop_database(server_url: str, name: str) -> None:
 @pytest.fixture(scope="session")
 def template_db(server_url: str) -> Iterator[str]:
     """A database migrated once per run; tests clone it."""
-    name = f"belay_tpl_{os.getpid()}"
+    name = f"belay_tpl_{NAME_TAG}"
     _drop_database(server_url, name)
     url = _create_database(server_url, name)
     belay.migrate(url)
@@ -157,7 +223,7 @@ def template_db(server_url: str) -> Iterator[str]:
 
 
 def _fresh(server_url: str, template: str, pooler: PgBouncer | None = None) -> Iterator[str]:
-    name = f"belay_t_{os.getpid()}_{next(_counter)}"
+    name = f"belay_t_{NAME_TAG}_{next(_counter)}"
     url = _create_database(server_url, name, template=template)
     try:
         yield url if pooler is None else pooler.url_for(name)

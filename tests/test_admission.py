@@ -579,7 +579,8 @@ def test_a_claimer_reads_the_clock_after_the_queue_lock_so_a_window_cannot_overs
             a = threading.Thread(target=lambda: claimed.append(worker._claim_jobs(spec, 5)))
             a.start()
             wait_until(lambda: sql_conn.execute(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             ).fetchone() == (1,), "A waits on the queue's lock")
             # B, at the start of W2, took the window's whole allowance.
             clock.set(boundary + timedelta(seconds=1))

@@ -91,8 +91,8 @@ def test_concurrent_asteps_overlap_and_the_loop_runs_while_a_write_waits(
 
     def a_write_waits_on_the_lock() -> bool:
         row = sql_conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND query LIKE '%belay_steps%'").fetchone()
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND query LIKE '%belay_steps%'").fetchone()
         return bool(row and row[0] >= 1)
 
     @belay.worker(name="a.fan", registry=registry)

@@ -70,7 +70,8 @@ def _server_session(url: str) -> dict[str, Any]:
 
 def _advisory_locks(conn: Conn) -> int:
     return int(conn.execute(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0])
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()[0])
 
 
 # -- The setting, or the error that names it ---------------------------------------------
