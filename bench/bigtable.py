@@ -77,7 +77,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
 import sys
 import threading
 import time
@@ -93,7 +92,7 @@ import belay
 from belay import retention, store
 from belay.dashboard.app import RECENT, Dashboard
 from belay.sql import QUERIES
-from bench.core import Bench, Figure, Proc, median, percentile, processes
+from bench.core import Bench, Figure, Proc, arguments, median, percentile, processes
 from bench.report import machine_table, publish
 
 SECTION = "bigtable"
@@ -992,13 +991,9 @@ def node(url: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.bigtable", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="200k terminal + 40k ready rows (CI)")
-    parser.add_argument("--url", default=os.environ.get("BELAY_BENCH_URL"),
-                        help="PostgreSQL server (default: a private embedded one)")
-    parser.add_argument("--out", help="also write the Markdown section here")
+    parser = arguments("python -m bench.bigtable", __doc__,
+                       "200k terminal + 40k ready rows (CI)",
+                       out="also write the Markdown section here")
     parser.add_argument("--node", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.node:

@@ -8,6 +8,7 @@ the figure carries both and their ratio.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import os
@@ -52,6 +53,19 @@ class Figure:
         if not self.baseline_value:
             return None
         return self.value / self.baseline_value
+
+
+def arguments(prog: str, doc: str | None, quick: str, *, out: str) -> argparse.ArgumentParser:
+    """A scenario's command line: ``--quick`` (its help says what it sizes
+    down), ``--url`` (``BELAY_BENCH_URL``, else a private embedded server) and
+    ``--out``; the module's docstring as the description."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--url", default=os.environ.get("BELAY_BENCH_URL"),
+                        help="PostgreSQL server (default: a private embedded one)")
+    parser.add_argument("--out", help=out)
+    return parser
 
 
 def percentile(values: Sequence[float], p: float) -> float:

@@ -42,7 +42,6 @@ table is for.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -60,7 +59,7 @@ import psycopg
 
 import belay
 from belay.pgbouncer import PgBouncer, find_binary
-from bench.core import ROOT, Bench, Figure
+from bench.core import ROOT, Bench, Figure, arguments
 from bench.report import machine_table, publish
 from bench.scale import FILL
 
@@ -456,14 +455,10 @@ def table(figures: list[Figure]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.hosts", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="20k jobs per drain, no repeats")
-    parser.add_argument("--url", default=os.environ.get("BELAY_BENCH_URL"),
-                        help="PostgreSQL server (default: a private embedded one)")
+    parser = arguments("python -m bench.hosts", __doc__, "20k jobs per drain, no repeats",
+                       out="also write the Markdown section here")
     parser.add_argument("--repeats", type=int, default=1,
                         help="drains per configuration (the median is reported)")
-    parser.add_argument("--out", help="also write the Markdown section here")
     args = parser.parse_args(argv)
     from bench.__main__ import machine, server
 

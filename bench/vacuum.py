@@ -85,7 +85,6 @@ same load at the same moments. Each gets its own worker and producer.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -106,7 +105,7 @@ import psycopg
 import belay
 from belay.sql import QUERIES
 from bench import peers
-from bench.core import ROOT, Bench, Proc, median, percentile
+from bench.core import ROOT, Bench, Proc, arguments, median, percentile
 from bench.report import machine_table, publish
 from bench.vacuum_producer import BELAY_KIND
 
@@ -914,13 +913,9 @@ def load(path: str) -> tuple[Run, dict[str, str] | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.vacuum", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="20 s warm-up, 1 min before, 1 min held, 1.5 min after")
-    parser.add_argument("--url", default=os.environ.get("BELAY_BENCH_URL"),
-                        help="PostgreSQL server (default: a private embedded one)")
-    parser.add_argument("--out", help="also write the Markdown report here")
+    parser = arguments("python -m bench.vacuum", __doc__,
+                       "20 s warm-up, 1 min before, 1 min held, 1.5 min after",
+                       out="also write the Markdown report here")
     parser.add_argument("--json", help="write every sample here")
     parser.add_argument("--report-from", metavar="JSON",
                         help="no run: the report of a run --json wrote (with the machine "
