@@ -107,8 +107,9 @@ def prune_pass(
 ) -> Pass:
     """Delete what retention no longer keeps, batch by batch, the terminal
     states in turn, for at most ``budget`` seconds (None: until done), resting
-    ``rest(PRUNE_REST * the batch's time)`` after each full batch (a worker
-    passes its stop event's wait, so a stop cuts the rest short).
+    ``rest(PRUNE_REST * the batch's time)`` after each full batch. A rest that
+    returns true ends the pass there, behind (a worker passes its stop
+    event's wait: a stop cuts the rest short and the pass with it).
 
     Rate windows go after a day — or after two of the longest period this node
     knows, since its rate math still reads the previous window.
@@ -119,8 +120,8 @@ def prune_pass(
     counts: dict[str, int] = dict.fromkeys(pending, 0)
     batches: dict[str, int] = dict.fromkeys(pending, 0)
     deadline = None if budget is None else monotonic() + budget
-    behind = False
-    while pending:
+    behind = stopped = False
+    while pending and not stopped:
         for state in list(pending):
             started = monotonic()
             deleted = store.prune_jobs(conn, state, cutoffs, PRUNE_BATCH)
@@ -132,7 +133,9 @@ def prune_pass(
             if batches[state] >= PRUNE_BATCHES:
                 pending.remove(state)
                 behind = True
-            rest(PRUNE_REST * (monotonic() - started))
+            if rest(PRUNE_REST * (monotonic() - started)):
+                behind = stopped = True
+                break
         if pending and deadline is not None and monotonic() >= deadline:
             behind = True
             break

@@ -515,6 +515,32 @@ def test_a_pass_stops_at_its_time_budget_taking_the_states_in_turn(client, sql_c
     assert len(rests) == 6 + 9
 
 
+def test_a_rest_that_says_stop_ends_the_pass(client, sql_conn, small_batches) -> None:
+    """A worker's rest is its stop event's wait, true once it is stopping: the
+    pass ends after that batch, behind, instead of deleting on without rests
+    until its budget runs out."""
+    small_batches(2, 1000)
+    for state in TERMINAL:
+        for i in range(10):
+            finished(sql_conn, state, ago(WEEK + 1 + i))
+    stop = threading.Event()
+    rests: list[float] = []
+
+    def rest(seconds: float) -> bool:
+        rests.append(seconds)
+        if len(rests) == 4:
+            stop.set()
+        return stop.wait(0)
+
+    with client.connection() as conn:
+        done = retention.prune_pass(conn, client.now(), DEFAULT_RETENTION, None, [],
+                                    budget=None, rest=rest)
+    # Round one: a batch of each state; round two: succeeded, then the stop.
+    assert done.counts["succeeded"] == 4 and done.counts["failed"] == 2
+    assert done.counts["cancelled"] == 2 and done.behind
+    assert len(rests) == 4
+
+
 def test_prune_runs_on_a_started_worker(client, sql_conn) -> None:
     old = finished(sql_conn, "failed", ago(WEEK + 1))
     worker = make_worker(client, sweep_interval=3600.0, poll_interval=0.05, busy_poll=0.01)
