@@ -54,17 +54,19 @@ Then, on the big database only, retention as a worker runs it now, with the
 default retention (succeeded a day, failed and cancelled a week, so most of
 the 30-day spread has expired); the expired rows are counted first. While a
 worker process (as in 4) drains the ready jobs, a claimer thread (claim of
-:data:`TAKE` + batched ack, back to back) runs 60 s (quick: 2 s) without
-pruning, then as long again while another thread runs
-``retention.prune_pass`` with its default budget (``PRUNE_BUDGET``), the
-next pass ``PRUNE_PAUSE`` after the last while it reports ``behind`` — the
-worker's sweeper does the same — and a sampler reads ``pg_stat_activity``
-and ``pg_locks`` every 100 ms. The prune turn runs twice, one after the
-other (:data:`PRUNE_TURNS`), each as long as the turn without: *paced*, as a
-worker runs it (``prune_pass`` rests ``PRUNE_REST`` times each full batch's
-time, on the stop event's wait: the claim p99 goal is judged on this one),
-then *unpaced* (``rest`` a no-op, the batches back to back as before
-``PRUNE_REST``: the comparison); both against the same turn without
+:data:`TAKE` + batched ack, back to back) runs through three turns of 60 s
+each (quick: 2 s) — no prune; *paced* prune passes, as a worker runs them
+(``retention.prune_pass`` with its default budget, ``PRUNE_BUDGET``, resting
+``PRUNE_REST`` times each full batch's time on the stop event's wait, the
+next pass ``PRUNE_PAUSE`` after the last while it reports ``behind``, as the
+worker's sweeper does: the claim p99 goal is judged on this one); *unpaced*
+ones (``rest`` a no-op, the batches back to back: the comparison) — taken in
+slices of :data:`SLICE` s in rotation, so that what drifts over the phase
+(dead entries of the claimed rows piling up in the claim index until
+autovacuum comes, autovacuum itself) weighs on every turn alike; the
+:data:`SETTLE` s after each prune slice count for no turn. During prune slices
+a sampler reads ``pg_stat_activity`` and ``pg_locks`` every 100 ms. The
+claims of each turn are compared with those of the turn without
 pruning. Every call of ``belay.store.prune_jobs`` (one
 DELETE statement, its own transaction on an autocommit connection) is
 counted and timed through a wrapper, so the report shows the largest batch
@@ -548,7 +550,6 @@ class PruneRun:
     seconds: float = 0.0
     pruned: int = 0
     prune_seconds: float = 0.0
-    prune_started: float = 0.0
     passes: int = 0
     behind: int = 0
     #: Seconds of each prune_pass call.
@@ -566,21 +567,26 @@ class PruneRun:
     samples: int = 0
     #: Whether prune_pass rested after each full batch (as a worker runs it).
     paced: bool = True
+    #: The slices of the phase this turn had: (monotonic start, end).
+    slices: list[tuple[float, float]] = field(default_factory=list)
 
 
-def _claimer(url: str, stop: threading.Event, run: PruneRun, pids: list[int]) -> None:
+def _claimer(url: str, stop: threading.Event, turn: list[PruneRun | None],
+             pids: list[int]) -> None:
+    """Claims back to back for the whole phase, each counted for the turn
+    whose slice it started and ended in (``turn[0]``; None between slices)."""
     with psycopg.connect(url, autocommit=True) as conn:
         pids.append(conn.info.backend_pid)
-        started = time.monotonic()
-        try:
-            while not stop.is_set():
-                try:
-                    run.claims_ms.append(_claim_once(conn))
-                except _NoneReady:
-                    break  # the backlog ran out (a quick run on a fast machine)
+        while not stop.is_set():
+            run = turn[0]
+            try:
+                ms = _claim_once(conn)
+            except _NoneReady:
+                stop.set()  # the backlog ran out (a quick run on a fast machine)
+                break
+            if run is not None and turn[0] is run:
+                run.claims_ms.append(ms)
                 run.claimed_jobs += TAKE
-        finally:
-            run.seconds = max(time.monotonic() - started, 1e-9)
 
 
 @contextlib.contextmanager
@@ -610,10 +616,11 @@ def _pruner(url: str, stop: threading.Event, run: PruneRun, pids: list[int]) -> 
     (``run.paced``), each pass rests on the stop event's wait after each full
     batch, as a worker's does; unpaced, it does not rest at all (``rest`` a
     no-op: the batches back to back, as before PRUNE_REST)."""
-    rest: Callable[[float], object] = stop.wait if run.paced else (lambda _s: None)
+    # Either way the pass ends when the slice does (a rest returning true).
+    rest: Callable[[float], object] = stop.wait if run.paced else (lambda _s: stop.is_set())
     with psycopg.connect(url, autocommit=True) as conn, _batches_recorded(run):
         pids.append(conn.info.backend_pid)
-        started = run.prune_started = time.monotonic()
+        started = time.monotonic()
         while not stop.is_set():
             began = time.monotonic()
             done = retention.prune_pass(conn, datetime.now(timezone.utc),
@@ -626,7 +633,7 @@ def _pruner(url: str, stop: threading.Event, run: PruneRun, pids: list[int]) -> 
             if not done.behind:
                 break
             stop.wait(retention.PRUNE_PAUSE)
-        run.prune_seconds = time.monotonic() - started
+        run.prune_seconds += time.monotonic() - started
 
 
 def _sampler(url: str, stop: threading.Event, run: PruneRun, pruner: list[int],
@@ -660,9 +667,13 @@ def count_expired(conn: psycopg.Connection[Any]) -> int:
     return total
 
 
-#: The prune phase's turns: the claimer alone, then with paced prune passes
-#: (as a worker runs them), then with unpaced ones (no rest between batches).
+#: The prune phase's turns: the claimer alone, with paced prune passes (as a
+#: worker runs them), and with unpaced ones (no rest between batches).
 PRUNE_TURNS: tuple[tuple[bool, bool], ...] = ((False, True), (True, True), (True, False))
+#: The turns take slices of this many seconds in rotation (quick: a second),
+#: each prune slice followed by SETTLE seconds that count for no turn.
+SLICE = 10.0
+SETTLE = 2.0
 
 
 def _turn(with_prune: bool, paced: bool) -> str:
@@ -671,44 +682,76 @@ def _turn(with_prune: bool, paced: bool) -> str:
 
 def measure_prune(bench: Bench, url: str, conn: psycopg.Connection[Any], seconds: float
                   ) -> tuple[PruneRun, PruneRun, PruneRun]:
-    """With a worker process draining the ready jobs: the claimer alone for
-    ``seconds``, then as long again with paced prune passes beside it (as a
-    worker runs them), then as long again with unpaced ones."""
-    runs = []
+    """With a worker process draining the ready jobs and a claimer thread
+    claiming back to back, ``seconds`` of each turn — no prune, paced, unpaced
+    — in slices of SLICE taken in rotation. Whatever drifts over the phase
+    (the claim index's dead entries piling up ahead of the backlog, autovacuum
+    on the deleted rows) falls on every turn alike, where turns one after the
+    other laid it on the later ones. A prune slice ends when its pass's
+    current DELETE does; the SETTLE seconds after it count for no turn."""
+    runs = [PruneRun(paced=paced) for _, paced in PRUNE_TURNS]
+    piece = min(SLICE, max(seconds / 2, 0.5))
+    settle = min(SETTLE, piece / 5)
+    rounds = max(round(seconds / piece), 1)
+    turn: list[PruneRun | None] = [None]
+    stop = threading.Event()
+    claimer: list[int] = []
     with _worker(url):
         time.sleep(1)
-        for with_prune, paced in PRUNE_TURNS:
-            run, stop = PruneRun(paced=paced), threading.Event()
-            claimer: list[int] = []
-            pruner: list[int] = []
-            threads = [threading.Thread(target=_claimer, args=(url, stop, run, claimer),
-                                        name="bench-claimer")]
-            if with_prune:
-                threads += [
-                    threading.Thread(target=_pruner, args=(url, stop, run, pruner),
-                                     name="bench-pruner"),
-                    threading.Thread(target=_sampler, args=(url, stop, run, pruner, claimer),
-                                     name="bench-sampler")]
-            since = datetime.now(timezone.utc)
-            for thread in threads:
-                thread.start()
-            stop.wait(seconds)
+        claiming = threading.Thread(target=_claimer, args=(url, stop, turn, claimer),
+                                    name="bench-claimer")
+        claiming.start()
+        try:
+            for _ in range(rounds):
+                for (with_prune, _), run in zip(PRUNE_TURNS, runs, strict=True):
+                    if stop.is_set():
+                        break
+                    _slice(url, conn, run, with_prune, piece, turn, claimer)
+                    turn[0] = None
+                    if with_prune:
+                        stop.wait(settle)
+        finally:
             stop.set()
-            for thread in threads:
-                thread.join(120)
-            row = conn.execute(FINISHED_BETWEEN, (since, datetime.now(timezone.utc))).fetchone()
-            run.worker_jobs = (int(row[0]) if row else 0) - run.claimed_jobs
-            bench.log(f"bigtable: claims, {_turn(with_prune, paced)}: "
-                      f"p50 {percentile(run.claims_ms, 50):.2f} ms, "
-                      f"p99 {percentile(run.claims_ms, 99):.2f} ms, worker "
-                      f"{run.worker_jobs / seconds:,.0f} jobs/s"
-                      + (f"; pruned {run.pruned:,} in {run.prune_seconds:.0f} s, "
-                         f"{run.passes} passes" if with_prune else "")
-                      + (", claimer waits " + ", ".join(
-                          f"{event} {n}x" for event, n in run.claimer_events.most_common(5))
-                         if with_prune else ""))
-            runs.append(run)
+            claiming.join(120)
+    for (with_prune, paced), run in zip(PRUNE_TURNS, runs, strict=True):
+        bench.log(f"bigtable: claims, {_turn(with_prune, paced)} ({len(run.slices)} slices "
+                  f"of {piece:g} s): p50 {percentile(run.claims_ms, 50):.2f} ms, "
+                  f"p99 {percentile(run.claims_ms, 99):.2f} ms, worker "
+                  f"{run.worker_jobs / max(run.seconds, 1e-9):,.0f} jobs/s"
+                  + (f"; pruned {run.pruned:,} in {run.prune_seconds:.0f} s, "
+                     f"{run.passes} passes" if with_prune else "")
+                  + (", claimer waits " + ", ".join(
+                      f"{event} {n}x" for event, n in run.claimer_events.most_common(5))
+                     if with_prune else ""))
     return runs[0], runs[1], runs[2]
+
+
+def _slice(url: str, conn: psycopg.Connection[Any], run: PruneRun, with_prune: bool,
+           seconds: float, turn: list[PruneRun | None], claimer: list[int]) -> None:
+    """One slice of ``run``'s turn: ``seconds`` of claims counted for it, with
+    a pruner (and a sampler) beside them when ``with_prune``."""
+    stop = threading.Event()
+    pruner: list[int] = []
+    threads = [threading.Thread(target=_pruner, args=(url, stop, run, pruner),
+                                name="bench-pruner"),
+               threading.Thread(target=_sampler, args=(url, stop, run, pruner, claimer),
+                                name="bench-sampler")] if with_prune else []
+    since = datetime.now(timezone.utc)
+    started = time.monotonic()
+    claimed = run.claimed_jobs
+    turn[0] = run
+    for thread in threads:
+        thread.start()
+    stop.wait(seconds)
+    turn[0] = None
+    ended = time.monotonic()
+    stop.set()
+    for thread in threads:
+        thread.join(120)
+    row = conn.execute(FINISHED_BETWEEN, (since, datetime.now(timezone.utc))).fetchone()
+    run.worker_jobs += (int(row[0]) if row else 0) - (run.claimed_jobs - claimed)
+    run.slices.append((started, ended))
+    run.seconds += ended - started
 
 
 # -- The scenario ----------------------------------------------------------------------------
@@ -835,14 +878,16 @@ def _prune_figures(b: str, expired: int, quiet: PruneRun, busy: PruneRun) -> lis
         baseline_value=quiet.worker_jobs / quiet.seconds,
         note="belay.Worker (default=100, polling, its own retention off), draining the "
              "ready rows beside the claimer thread"))
-    half = busy.prune_started + busy.prune_seconds / 2
-    first = sum(n for n, _, at in busy.batches if at <= half)
+    slices = busy.slices
+    half = slices[len(slices) // 2][0] if len(slices) > 1 else float("inf")
+    first = sum(n for n, _, at in busy.batches if at < half)
     rate = busy.pruned / max(busy.prune_seconds, 1e-9)
     name = "prune rate" if busy.paced else "prune rate unpaced"
     out.append(Figure(
         SECTION, f"{name}, {b}", rate,
-        "rows/s", note=f"{busy.pruned:,} rows in {busy.prune_seconds:.0f} s "
-        f"({first:,} in the first half, {busy.pruned - first:,} in the second)",
+        "rows/s", note=f"{busy.pruned:,} rows in {busy.prune_seconds:.0f} s of "
+        f"{len(slices)} slices ({first:,} in the first half of them, "
+        f"{busy.pruned - first:,} in the second)",
         extra={"pruned": busy.pruned}))
     if busy.paced and expired and rate:
         out.append(Figure(
