@@ -240,7 +240,7 @@ class Belay:
         """Behind a transaction pooler, belay's statements on a caller's
         connection are never prepared server-side (the caller's own setting
         comes back afterwards)."""
-        if not self.pooler or conn.prepare_threshold is None:
+        if connect.prepares(self.pooler) or conn.prepare_threshold is None:
             yield
             return
         saved, conn.prepare_threshold = conn.prepare_threshold, None

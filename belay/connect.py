@@ -8,6 +8,12 @@ free, so nothing may outlive a transaction: no server-side prepared statements
 that server connection collides with), no session settings, no session
 advisory locks, no LISTEN. With ``pooler="transaction"`` belay keeps to that,
 and LISTENs on ``direct_url`` when one is given (else it polls).
+
+A pooler that tracks prepared statements itself (PgBouncer 1.21 and later with
+``max_prepared_statements`` above 0) gives them back: with
+``pooler="transaction-prepared"`` belay keeps to everything above but lets
+psycopg prepare its repeated statements, which the pooler re-prepares on
+whichever server connection a transaction lands on.
 """
 
 from __future__ import annotations
@@ -21,9 +27,12 @@ from psycopg_pool import ConnectionPool
 
 from belay.errors import ConfigurationError, PoolerError
 
-#: The one pooler mode belay adapts to (session poolers need nothing).
+#: The pooler modes belay adapts to (session poolers need nothing): a
+#: transaction pooler, and one that tracks prepared statements across its
+#: server connections (PgBouncer >= 1.21, max_prepared_statements > 0).
 TRANSACTION: Final = "transaction"
-POOLERS: Final = (TRANSACTION,)
+TRANSACTION_PREPARED: Final = "transaction-prepared"
+POOLERS: Final = (TRANSACTION, TRANSACTION_PREPARED)
 
 #: Environment variables read when the setting is not given.
 POOLER_ENV: Final = "BELAY_POOLER"
@@ -38,16 +47,23 @@ SETTING_HINT: Final = (
 
 
 def check_pooler(value: Any) -> str | None:
-    """The pooler setting, checked: None (direct or a session pooler) or "transaction"."""
+    """The pooler setting, checked: None (direct or a session pooler),
+    "transaction" or "transaction-prepared"."""
     if value is None or value in ("", "none", "session"):
         return None
     if value in POOLERS:
         return str(value)
     raise ConfigurationError(
-        f"pooler must be None (a direct connection or a session pooler) or "
-        f"'transaction' (PgBouncer pool_mode=transaction and other transaction poolers); "
-        f"got {value!r}"
+        f"pooler must be None (a direct connection or a session pooler), "
+        f"'transaction' (PgBouncer pool_mode=transaction and other transaction poolers) "
+        f"or 'transaction-prepared' (the same, with PgBouncer >= 1.21 tracking prepared "
+        f"statements: max_prepared_statements > 0); got {value!r}"
     )
+
+
+def prepares(pooler: str | None) -> bool:
+    """Whether psycopg may prepare statements server-side in this pooler mode."""
+    return pooler != TRANSACTION
 
 
 def pooler_setting(value: Any = None) -> str | None:
@@ -66,7 +82,7 @@ def options(pooler: str | None) -> dict[str, Any]:
     """psycopg connection options for the pooler mode."""
     # prepare_threshold=None: never prepare server-side (the statements stay
     # parameterized; only the plan cache on the server connection goes).
-    return {"prepare_threshold": None} if pooler else {}
+    return {} if prepares(pooler) else {"prepare_threshold": None}
 
 
 def connect(conninfo: str, pooler: str | None, **kwargs: Any) -> psycopg.Connection[Any]:
@@ -97,5 +113,7 @@ def pooler_error(exc: BaseException) -> PoolerError | None:
         f"{str(exc).strip()}: this connection goes through a transaction-pooling "
         f"pooler (e.g. PgBouncer with pool_mode=transaction), which shares server "
         f"connections and their prepared statements between clients; set "
-        f"{SETTING_HINT}"
+        f"{SETTING_HINT}. (pooler=\"transaction-prepared\" is only for a pooler that "
+        f"tracks prepared statements, PgBouncer >= 1.21 with max_prepared_statements > 0; "
+        f"with it set, this error means the pooler does not: use \"transaction\")"
     )

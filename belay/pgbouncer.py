@@ -5,6 +5,10 @@ Used by the test harness (``BELAY_TEST_POOLER=pgbouncer``), the soak
 between belay and PostgreSQL. It runs the machine's ``pgbouncer`` binary
 (Debian: ``apt install pgbouncer``; no Python package ships one) on a free
 port, with a configuration of its own in a temporary directory.
+
+``BELAY_PGBOUNCER`` names another binary to try (``find_binary``) when the
+machine's is too old for what is asked of it: prepared statements in
+transaction mode need PgBouncer 1.21 or later (``max_prepared_statements``).
 """
 
 from __future__ import annotations
@@ -29,12 +33,41 @@ from belay.errors import ConfigurationError
 _PLACES = ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer", "/usr/local/bin/pgbouncer")
 
 
-def find_binary() -> str | None:
-    """The pgbouncer executable, or None when the machine has none."""
-    found = shutil.which("pgbouncer")
-    if found:
-        return found
-    return next((p for p in _PLACES if os.access(p, os.X_OK)), None)
+#: Another binary to try after the machine's own (a newer build).
+BINARY_ENV = "BELAY_PGBOUNCER"
+#: The first release that tracks prepared statements in transaction mode.
+PREPARED_SINCE: tuple[int, int] = (1, 21)
+
+
+def version(binary: str) -> tuple[int, ...] | None:
+    """What ``pgbouncer --version`` says, as numbers: ``(1, 18, 0)``."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    words = out.split()
+    if len(words) < 2 or words[0] != "PgBouncer":
+        return None
+    try:
+        return tuple(int(part) for part in words[1].split("."))
+    except ValueError:
+        return None
+
+
+def find_binary(min_version: tuple[int, ...] | None = None) -> str | None:
+    """The pgbouncer executable (at least ``min_version``): the machine's
+    own, else ``$BELAY_PGBOUNCER``; None when there is none."""
+    candidates = [shutil.which("pgbouncer"), *_PLACES, os.environ.get(BINARY_ENV)]
+    for path in dict.fromkeys(c for c in candidates if c):
+        if not os.access(path, os.X_OK):
+            continue
+        if min_version is None:
+            return path
+        found = version(path)
+        if found is not None and found >= min_version:
+            return path
+    return None
 
 
 def _free_port() -> int:
@@ -59,14 +92,20 @@ class PgBouncer:
     """
 
     def __init__(self, server_url: str, *, pool_size: int = 40,
-                 max_client_conn: int = 1000) -> None:
-        binary = find_binary()
+                 max_client_conn: int = 1000, max_prepared_statements: int = 0) -> None:
+        need = PREPARED_SINCE if max_prepared_statements else None
+        binary = find_binary(need)
         if binary is None:
             raise ConfigurationError(
                 "no pgbouncer executable found; install PgBouncer "
-                "(Debian/Ubuntu: apt install pgbouncer)"
+                "(Debian/Ubuntu: apt install pgbouncer)" if need is None else
+                f"max_prepared_statements needs PgBouncer {'.'.join(map(str, need))} or "
+                f"later, and none was found; name one in {BINARY_ENV}"
             )
         self.binary = binary
+        self.version = version(binary)
+        #: Prepared statements tracked per client (0: off, as before 1.21).
+        self.max_prepared_statements = max_prepared_statements
         self.server = conninfo_to_dict(server_url)
         self.port = _free_port()
         self.pool_size = pool_size
@@ -117,6 +156,10 @@ class PgBouncer:
             f"pidfile = {root / 'pgbouncer.pid'}\n"
             "log_connections = 0\n"
             "log_disconnections = 0\n"
+            # Off unless asked for (1.22+ default it to 200): the same pooler
+            # whichever release runs.
+            + (f"max_prepared_statements = {self.max_prepared_statements}\n"
+               if self.version is not None and self.version >= PREPARED_SINCE else "")
         )
         if os.geteuid() == 0:
             # PgBouncer refuses to run as root; the user it drops to must read these.

@@ -58,14 +58,19 @@ from typing import Any
 import psycopg
 
 import belay
-from belay.pgbouncer import PgBouncer, find_binary
+from belay.pgbouncer import BINARY_ENV, PREPARED_SINCE, PgBouncer, find_binary
 from bench.core import ROOT, Bench, Figure, arguments
 from bench.report import machine_table, publish
 from bench.scale import FILL
 
 SECTION = "hosts"
 PROCS = (1, 2, 4, 8)
-MODES = ("direct", "pooled")
+#: Straight to PostgreSQL; behind PgBouncer (``--pooler transaction``); and
+#: behind a PgBouncer >= 1.21 tracking prepared statements
+#: (``max_prepared_statements = 200``, ``--pooler transaction-prepared``).
+MODES = ("direct", "pooled", "prepared")
+#: Each mode's belay pooler setting.
+POOLER = {"direct": None, "pooled": "transaction", "prepared": "transaction-prepared"}
 KIND = "bench.hosts.noop"
 #: PgBouncer's own default_pool_size: what a pgbouncer.ini that doesn't set it gets.
 POOL_SIZE = 20
@@ -229,13 +234,13 @@ def _delta(after: float | None, before: float | None) -> float | None:
 class Node:
     """One ``belay worker`` process, its log in a file."""
 
-    def __init__(self, index: int, url: str, pooled: bool, logs: Path) -> None:
+    def __init__(self, index: int, url: str, pooler: str | None, logs: Path) -> None:
         self.node = f"bench-host-{index}"
         self.log_path = logs / f"{self.node}.log"
         args = [sys.executable, "-m", "belay", "worker", "--url", url, "--import", "bench.hosts",
                 "--queue", "default=10", "--node-id", self.node]
-        if pooled:
-            args += ["--pooler", "transaction"]
+        if pooler:
+            args += ["--pooler", pooler]
         env = {k: v for k, v in os.environ.items()
                if k not in ("BELAY_DATABASE_URL", "BELAY_POOLER", "BELAY_DIRECT_URL")}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -260,13 +265,13 @@ class Node:
 
 
 @contextlib.contextmanager
-def nodes(count: int, url: str, pooled: bool) -> Iterator[list[Node]]:
+def nodes(count: int, url: str, pooler: str | None) -> Iterator[list[Node]]:
     """``count`` worker processes, all started (idle until there is work)."""
     with tempfile.TemporaryDirectory(prefix="belay-bench-hosts-") as logs:
         procs: list[Node] = []
         try:
             for index in range(count):
-                procs.append(Node(index, url, pooled, Path(logs)))
+                procs.append(Node(index, url, pooler, Path(logs)))
             deadline = time.monotonic() + 120
             while not all(proc.started() for proc in procs):
                 if time.monotonic() > deadline:
@@ -282,7 +287,7 @@ def nodes(count: int, url: str, pooled: bool) -> Iterator[list[Node]]:
 
 
 def drain(bench: Bench, procs: int, mode: str, count: int, statements: bool) -> Drain:
-    """``count`` no-op jobs drained by ``procs`` processes, direct or pooled."""
+    """``count`` no-op jobs drained by ``procs`` processes in ``mode``."""
     with bench.database("hosts") as url:
         dbname = str(psycopg.conninfo.conninfo_to_dict(url)["dbname"])
         if statements:
@@ -291,10 +296,12 @@ def drain(bench: Bench, procs: int, mode: str, count: int, statements: bool) -> 
         with contextlib.ExitStack() as stack:
             bouncer = None
             worker_url = url
-            if mode == "pooled":
-                bouncer = stack.enter_context(PgBouncer(bench.url, pool_size=POOL_SIZE))
+            if mode != "direct":
+                bouncer = stack.enter_context(PgBouncer(
+                    bench.url, pool_size=POOL_SIZE,
+                    max_prepared_statements=200 if mode == "prepared" else 0))
                 worker_url = bouncer.url_for(dbname)
-            workers = stack.enter_context(nodes(procs, worker_url, pooled=bouncer is not None))
+            workers = stack.enter_context(nodes(procs, worker_url, POOLER[mode]))
             # Our own statements are taken out of the counts: the readings (the
             # first is in the statements' "before" already, and neither reading
             # sees its own transaction), the insert, the polls, the final reading.
@@ -347,18 +354,21 @@ def drain(bench: Bench, procs: int, mode: str, count: int, statements: bool) -> 
 
 
 def run(bench: Bench, repeats: int = 1) -> list[Figure]:
-    """The figures of every (processes, direct/pooled) configuration, each the
-    median of ``repeats`` drains; the pooled ones only when a pgbouncer
-    executable is installed. One drain of each at full size takes 15 to 30
-    minutes in all on 2 shared cores (a single process drains ~600 jobs/s)."""
+    """The figures of every (processes, mode) configuration, each the median
+    of ``repeats`` drains; the pooled ones only when a pgbouncer executable is
+    installed, the prepared ones when one is 1.21 or later. One drain of each
+    at full size takes 20 to 45 minutes in all on 2 shared cores (a single
+    process drains ~600 jobs/s)."""
     count = bench.size(20_000, 100_000)
     with psycopg.connect(bench.url, autocommit=True) as admin:
         why_not = statements_available(admin)
     if why_not is not None:
         bench.log(f"hosts: statements per job n/a: {why_not}")
-    modes = MODES if find_binary() is not None else ("direct",)
-    if "pooled" not in modes:
-        bench.log("hosts: no pgbouncer executable; direct only")
+    modes = [mode for mode in MODES if mode == "direct" or find_binary(
+        PREPARED_SINCE if mode == "prepared" else None) is not None]
+    if len(modes) < len(MODES):
+        bench.log(f"hosts: no pgbouncer executable for {sorted(set(MODES) - set(modes))} "
+                  f"(prepared needs 1.21 or later: {BINARY_ENV})")
     runs: dict[tuple[int, str], list[Drain]] = {}
     for procs in PROCS:
         for mode in modes:
@@ -387,8 +397,11 @@ def figures(runs: dict[tuple[int, str], list[Drain]], count: int, repeats: int,
             rate = statistics.median(d.rate for d in drains)
             known = [d.statements for d in drains if d.statements is not None]
             statements = statistics.median(known) / count if known else float("nan")
-            how = "PgBouncer, pool_mode=transaction, --pooler transaction" \
-                if mode == "pooled" else "straight to PostgreSQL"
+            how = {"direct": "straight to PostgreSQL",
+                   "pooled": "PgBouncer, pool_mode=transaction, --pooler transaction",
+                   "prepared": "PgBouncer >= 1.21, pool_mode=transaction, "
+                               "max_prepared_statements=200, --pooler transaction-prepared",
+                   }[mode]
             out.append(Figure(
                 SECTION, f"{procs} process(es), {mode}", rate, "jobs/s",
                 baseline=None if procs == 1 else f"1 process, {mode}",
@@ -421,20 +434,22 @@ def _pair(cells: list[Figure | None], render: Callable[[Figure], str]) -> str:
 
 
 def table(figures: list[Figure]) -> str:
-    """The hosts figures as one Markdown table: processes by direct and pooled."""
+    """The hosts figures as one Markdown table: processes by mode."""
     by = {(f.extra["procs"], f.extra["mode"]): f for f in figures if f.section == SECTION}
-    lines = ["| processes | direct jobs/s | pooled jobs/s | ratio to 1 process (direct / "
-             "pooled) | xacts/job (direct / pooled) | statements/job (direct / pooled) | "
-             "tuples/job (direct / pooled) |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    modes = [m for m in MODES if any(key[1] == m for key in by)]
+    each = " / ".join(modes)
+    lines = ["| processes | " + " | ".join(f"{m} jobs/s" for m in modes)
+             + f" | ratio to 1 process ({each}) | xacts/job ({each}) | statements/job "
+             f"({each}) | tuples/job ({each}) |",
+             "|---:|" + "---:|" * (len(modes) + 4)]
     for procs in PROCS:
-        cells = [by.get((procs, mode)) for mode in MODES]
+        cells = [by.get((procs, mode)) for mode in modes]
         if not any(cells):
             continue
 
         rates = [f"{f.value:,.0f}" if f else "—" for f in cells]
         lines.append(
-            f"| {procs} | {rates[0]} | {rates[1]} | "
+            f"| {procs} | " + " | ".join(rates) + " | "
             f"{_pair(cells, lambda f: '1.00' if f.ratio is None else f'{f.ratio:.2f}')} | "
             f"{_pair(cells, lambda f: _per_job(f.extra['xacts_per_job']))} | "
             f"{_pair(cells, lambda f: _per_job(f.extra['statements_per_job']))} | "

@@ -9,7 +9,10 @@ package — so a machine with nothing but Python runs the suite.
 ``pgbouncer`` binary, transaction pooling) in front of that server: every
 ``db_url`` then goes through it, with ``BELAY_POOLER=transaction`` set for the
 run, while the harness's own raw SQL (``sql_conn``, ``direct_url``,
-``notes``) stays direct.
+``notes``) stays direct. ``BELAY_TEST_POOLER=pgbouncer-prepared`` does the
+same through a PgBouncer that tracks prepared statements (1.21 or later, the
+machine's or ``BELAY_PGBOUNCER``; ``max_prepared_statements = 200``), with
+``BELAY_POOLER=transaction-prepared``.
 
 The suite runs in parallel under pytest-xdist (``-n auto`` in pyproject.toml;
 ``-n 0`` runs it in one process). Each worker is a process of its own, so each
@@ -41,7 +44,7 @@ import belay
 from belay import ManualClock
 from belay.connect import POOLER_ENV
 from belay.embedded import embedded_server
-from belay.pgbouncer import PgBouncer, find_binary
+from belay.pgbouncer import PREPARED_SINCE, PgBouncer, find_binary
 from tests.helpers import START, Notifications, url_for
 
 
@@ -91,8 +94,12 @@ def server_url() -> Iterator[str]:
         yield url
 
 
-#: Set: the suite runs behind a PgBouncer in transaction-pooling mode.
-POOLED = os.environ.get("BELAY_TEST_POOLER", "") == "pgbouncer"
+#: The pooler the suite runs behind: "pgbouncer" (transaction pooling) or
+#: "pgbouncer-prepared" (the same, tracking prepared statements); else none.
+POOLER_MODE = os.environ.get("BELAY_TEST_POOLER", "")
+POOLED = POOLER_MODE in ("pgbouncer", "pgbouncer-prepared")
+#: Prepared statements the harness's PgBouncer tracks per client (0: none).
+PREPARED_STATEMENTS = 200 if POOLER_MODE == "pgbouncer-prepared" else 0
 
 
 #: The xdist worker this process is (``gw0``, ``gw1``, …), or "" without xdist.
@@ -166,13 +173,16 @@ def pooler(server_url: str) -> Iterator[PgBouncer | None]:
     if not POOLED:
         yield None
         return
+    if PREPARED_STATEMENTS and find_binary(PREPARED_SINCE) is None:
+        pytest.exit("BELAY_TEST_POOLER=pgbouncer-prepared needs PgBouncer 1.21 or later: "
+                    "name one in BELAY_PGBOUNCER", returncode=2)
     if find_binary() is None:
         pytest.exit("BELAY_TEST_POOLER=pgbouncer, but no pgbouncer executable is installed "
                     "(Debian/Ubuntu: apt install pgbouncer)", returncode=2)
     saved = os.environ.get(POOLER_ENV)
-    os.environ[POOLER_ENV] = "transaction"
+    os.environ[POOLER_ENV] = "transaction-prepared" if PREPARED_STATEMENTS else "transaction"
     try:
-        with PgBouncer(server_url) as bouncer:
+        with PgBouncer(server_url, max_prepared_statements=PREPARED_STATEMENTS) as bouncer:
             yield bouncer
     finally:
         if saved is None:

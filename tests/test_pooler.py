@@ -26,7 +26,7 @@ import pytest
 import belay
 from belay import connect
 from belay.errors import ConfigurationError, PoolerError
-from belay.pgbouncer import PgBouncer, find_binary
+from belay.pgbouncer import PREPARED_SINCE, PgBouncer, find_binary
 from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,10 +40,42 @@ def _dbname(url: str) -> str:
     return str(psycopg.conninfo.conninfo_to_dict(url)["dbname"])
 
 
+#: The two pooler settings, each tested behind a PgBouncer that fits it.
+MODES = ("transaction", "transaction-prepared")
+
+
+def _tracking_binary() -> None:
+    """Skip (fail on CI, which builds one) without a PgBouncer that tracks
+    prepared statements."""
+    if find_binary(PREPARED_SINCE) is None:
+        why = ("needs PgBouncer 1.21 or later (max_prepared_statements); the machine's is "
+               "older: name a newer build in BELAY_PGBOUNCER")
+        if os.environ.get("CI"):
+            pytest.fail(f"{why} (.ci/run builds one)")
+        pytest.skip(why)
+
+
+def _bouncer(server_url: str, mode: str, pool_size: int) -> PgBouncer:
+    """A PgBouncer for the pooler setting ``mode``: one that tracks prepared
+    statements for "transaction-prepared", else one that does not."""
+    if mode == "transaction-prepared":
+        _tracking_binary()
+        return PgBouncer(server_url, pool_size=pool_size, max_prepared_statements=100)
+    return PgBouncer(server_url, pool_size=pool_size)
+
+
 @pytest.fixture
 def single(server_url: str, direct_url: str) -> Iterator[str]:
     """The test database through a PgBouncer with ONE server connection."""
     with PgBouncer(server_url, pool_size=1) as bouncer:
+        yield bouncer.url_for(_dbname(direct_url))
+
+
+@pytest.fixture
+def tracking(server_url: str, direct_url: str) -> Iterator[str]:
+    """The test database through a PgBouncer (1.21+) with ONE server
+    connection, tracking each client's prepared statements."""
+    with _bouncer(server_url, "transaction-prepared", 1) as bouncer:
         yield bouncer.url_for(_dbname(direct_url))
 
 
@@ -106,6 +138,43 @@ def test_with_the_setting_clients_share_a_server_connection(single: str) -> None
     assert _server_session(single)["prepared"] == 0
 
 
+def test_behind_a_tracking_pooler_belay_prepares(tracking: str) -> None:
+    """pooler="transaction-prepared" behind a PgBouncer that tracks prepared
+    statements: two clients on one server connection, each with its own
+    prepared statements (psycopg's names collide; PgBouncer renames them), and
+    the server runs them prepared."""
+    a = belay.Belay(tracking, pooler="transaction-prepared", notify=False, min_pool_size=1,
+                    max_pool_size=1)
+    b = belay.Belay(tracking, pooler="transaction-prepared", notify=False, min_pool_size=1,
+                    max_pool_size=1)
+    with a, b:
+        job = a.enqueue("pooler.noop")
+        for _ in range(50):
+            assert a.get_job(job.id) == b.get_job(job.id)
+    with psycopg.connect(tracking, autocommit=True, prepare_threshold=None) as conn:
+        names = [row[0] for row in conn.execute("SELECT name FROM pg_prepared_statements")]
+    assert names and all(name.startswith("PGBOUNCER_") for name in names)
+
+
+def test_the_prepared_setting_behind_a_pooler_that_does_not_track(
+        server_url: str, direct_url: str) -> None:
+    """pooler="transaction-prepared" where the pooler shares prepared
+    statements (PgBouncer before 1.21, or max_prepared_statements = 0): the
+    error says to use "transaction"."""
+    with PgBouncer(server_url, pool_size=1) as bouncer:
+        url = bouncer.url_for(_dbname(direct_url))
+        a = belay.Belay(url, pooler="transaction-prepared", notify=False, min_pool_size=1,
+                        max_pool_size=1)
+        b = belay.Belay(url, pooler="transaction-prepared", notify=False, min_pool_size=1,
+                        max_pool_size=1)
+        with a, b:
+            job = a.enqueue("pooler.noop")
+            with pytest.raises(PoolerError, match='use "transaction"'):
+                for _ in range(20):
+                    a.get_job(job.id)
+                    b.get_job(job.id)
+
+
 def test_the_setting_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch,
                                                  db_url: str) -> None:
     monkeypatch.setenv("BELAY_POOLER", "transaction")
@@ -113,8 +182,12 @@ def test_the_setting_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch,
     with belay.Belay(db_url) as client:
         assert client.pooler == "transaction"
         assert client.listen_conninfo == client.direct_url
+    monkeypatch.setenv("BELAY_POOLER", "transaction-prepared")
+    with belay.Belay(db_url) as client:
+        assert client.pooler == "transaction-prepared"
     monkeypatch.setenv("BELAY_POOLER", "statement")
-    with pytest.raises(ConfigurationError, match=r"pooler must be None .* or 'transaction'"):
+    with pytest.raises(ConfigurationError,
+                       match=r"pooler must be None .* 'transaction' .* 'transaction-prepared'"):
         belay.Belay(db_url)
 
 
@@ -135,10 +208,18 @@ def test_a_callers_connection_keeps_its_own_prepare_setting(single: str) -> None
 # -- A worker behind the pooler leaves nothing on a server session --------------------------
 
 
-def test_a_worker_leaves_nothing_on_the_server_session(single: str, sql_conn: Conn) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_worker_leaves_nothing_on_the_server_session(
+        mode: str, server_url: str, direct_url: str, sql_conn: Conn) -> None:
     """Steps, signals, limits, partitions, a workflow and a metrics-style read,
-    all through one shared server connection: no prepared statement, LISTEN,
-    session lock or setting is left on it."""
+    all through one shared server connection: no LISTEN, session lock or
+    setting is left on it, and no prepared statement unless the pooler tracks
+    them (then only PgBouncer's own)."""
+    with _bouncer(server_url, mode, 1) as bouncer:
+        _worker_through(bouncer.url_for(_dbname(direct_url)), mode, sql_conn)
+
+
+def _worker_through(single: str, mode: str, sql_conn: Conn) -> None:
     reg = belay.Registry()
 
     @belay.worker(name="pooler.steps", queue="limited", registry=reg)
@@ -152,7 +233,7 @@ def test_a_worker_leaves_nothing_on_the_server_session(single: str, sql_conn: Co
     def waits(ctx: belay.Context) -> Any:
         return ctx.await_signal("go", timeout=30)
 
-    client = belay.Belay(single, pooler="transaction", registry=reg)
+    client = belay.Belay(single, pooler=mode, registry=reg)
     queues = {"default": 2,
               "limited": {"limit": 2, "global_limit": 1, "partition": {"input": "tenant"},
                           "rate": {"allowed": 1000, "period": 1}}}
@@ -181,7 +262,10 @@ def test_a_worker_leaves_nothing_on_the_server_session(single: str, sql_conn: Co
             worker.stop()
     assert _advisory_locks(sql_conn) == 0
     session = _server_session(single)
-    assert session["prepared"] == 0
+    if mode == "transaction":
+        assert session["prepared"] == 0
+    else:
+        assert session["prepared"] > 0  # PgBouncer's PGBOUNCER_n, for every client
     assert session["listening"] == 0  # no direct_url: the worker polled instead
     assert session["read_only"] == "off"
     attempts = sql_conn.execute("SELECT DISTINCT attempt FROM belay_jobs").fetchall()
@@ -247,13 +331,19 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_two_worker_processes_behind_pgbouncer_run_each_job_once(
-        pooled: str, sql_conn: Conn, tmp_path: Path) -> None:
+        mode: str, server_url: str, direct_url: str, sql_conn: Conn, tmp_path: Path) -> None:
     """The issue's reproduction, with the setting: two `belay worker` processes
     through the pooler (four server connections for both) drain 500 jobs; each
     ran once, at attempt 1."""
+    with _bouncer(server_url, mode, 4) as bouncer:
+        _two_workers(bouncer.url_for(_dbname(direct_url)), mode, sql_conn, tmp_path)
+
+
+def _two_workers(pooled: str, mode: str, sql_conn: Conn, tmp_path: Path) -> None:
     sql_conn.execute("CREATE TABLE effects (job_id bigint, attempt int, pid int)")
-    with belay.Belay(pooled, pooler="transaction", notify=False) as client:
+    with belay.Belay(pooled, pooler=mode, notify=False) as client:
         ids = [job.id for job in client.enqueue_many(
             [belay.JobSpec("proc.record", {}, queue="q") for _ in range(500)])]
     procs = []
@@ -261,7 +351,7 @@ def test_two_worker_processes_behind_pgbouncer_run_each_job_once(
         log = open(tmp_path / f"{node}.log", "wb")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen(
             [sys.executable, "-W", "error", "-m", "belay", "worker", "--url", pooled,
-             "--pooler", "transaction", "--import", "tests.proc_jobs", "--queue", "q=8",
+             "--pooler", mode, "--import", "tests.proc_jobs", "--queue", "q=8",
              "--lease-ttl", "5", "--poll-interval", "0.05", "--node-id", node],
             cwd=REPO, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=log), log))
@@ -310,15 +400,22 @@ def test_replay_behind_the_pooler_needs_a_direct_url(pooled: str) -> None:
             dry_run(client, job.id)
 
 
-def test_langgraph_setup_behind_the_pooler(pooled: str, sql_conn: Conn) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_langgraph_setup_behind_the_pooler(mode: str, server_url: str, direct_url: str,
+                                           sql_conn: Conn) -> None:
     """Two savers set up at once through the pooler: the setup runs under a
     transaction-scoped lock (a session lock would stay behind on the pooled
     server connection, held for whichever client gets it next)."""
     pytest.importorskip("langgraph.checkpoint.postgres")
+    with _bouncer(server_url, mode, 4) as bouncer:
+        _langgraph_through(bouncer.url_for(_dbname(direct_url)), mode, sql_conn)
+
+
+def _langgraph_through(pooled: str, mode: str, sql_conn: Conn) -> None:
     from belay.integrations.langgraph import close_savers, postgres_saver
 
     try:
-        with belay.Belay(pooled, pooler="transaction", notify=False) as client:
+        with belay.Belay(pooled, pooler=mode, notify=False) as client:
             savers = []
             threads = [threading.Thread(target=lambda: savers.append(postgres_saver(client)))
                        for _ in range(2)]
@@ -338,5 +435,6 @@ def test_langgraph_setup_behind_the_pooler(pooled: str, sql_conn: Conn) -> None:
 
 def test_connect_options() -> None:
     assert connect.options("transaction") == {"prepare_threshold": None}
+    assert connect.options("transaction-prepared") == {}
     assert connect.options(None) == {}
     assert connect.pooler_error(ValueError("x")) is None

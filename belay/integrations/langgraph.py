@@ -120,8 +120,8 @@ def postgres_saver(client: Belay | str) -> PostgresSaver:
         pool = _pools.get(conninfo)
         if pool is None:
             # prepare_threshold=0 (prepare at once) as the saver's docs ask,
-            # except behind a transaction pooler: never prepare there.
-            prepare = {"prepare_threshold": None if pooler else 0}
+            # except behind a transaction pooler that does not track them.
+            prepare = {"prepare_threshold": 0 if connect.prepares(pooler) else None}
             pool = connect.pool(
                 conninfo, pooler, min_size=1, max_size=POOL_SIZE, open=False,
                 name="belay-langgraph",
