@@ -10,6 +10,7 @@ still run. docs/doctor.md says what each check reads.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -47,6 +48,14 @@ HORIZON_ERROR: Final = 3600.0
 #: least DEAD_MIN dead rows (small tables churn harmlessly), is bloating.
 DEAD_RATIO_WARN: Final = 0.5
 DEAD_MIN: Final = 10_000
+#: belay_jobs's autovacuum waiting for more dead rows than this: until it
+#: runs, every claim steps over the dead index entries of the jobs claimed
+#: before it (at 10M rows, claims slowed 3.8x in 5 minutes of draining and
+#: recovered when the vacuum came; bench/bigtable_results.md).
+VACUUM_AT_INFO: Final = 200_000
+#: The storage parameters the fix names for belay_jobs.
+JOBS_AUTOVACUUM: Final = ("ALTER TABLE belay_jobs SET (autovacuum_vacuum_scale_factor = 0.01, "
+                          "autovacuum_vacuum_threshold = 1000)")
 #: A running job past its lease by more than this has no worker reclaiming it
 #: (every worker sweeps expired leases every few seconds); past LEASE_ERROR,
 #: an error.
@@ -84,6 +93,7 @@ class Thresholds:
     horizon_error: float = HORIZON_ERROR
     dead_ratio: float = DEAD_RATIO_WARN
     dead_min: int = DEAD_MIN
+    vacuum_at: int = VACUUM_AT_INFO
     lease_margin: float = LEASE_MARGIN
     lease_error: float = LEASE_ERROR
     worker_window: float = WORKER_WINDOW
@@ -212,6 +222,11 @@ class PoolerProbe:
     pids_b: tuple[int, ...]
     server_port: int | None
     url_port: int | None
+    #: Whether both connections could prepare and run one statement name in
+    #: turns (a pooler that tracks prepared statements, or none), else what
+    #: the server said when they collided; None: not probed.
+    prepared: bool | None = None
+    prepared_error: str = ""
 
     @property
     def evidence(self) -> str | None:
@@ -237,6 +252,11 @@ def pooler_finding(probe: PoolerProbe, setting: str | None) -> Finding:
                and probe.server_port != probe.url_port)
     hint = (f"; something proxies port {probe.url_port} to the server's "
             f"{probe.server_port}") if proxied else ""
+    details["prepared"] = probe.prepared
+    tracks = probe.prepared is True
+    tracking = (f' The pooler keeps prepared statements apart per client (PgBouncer >= '
+                f'1.21 with max_prepared_statements > 0), so pooler='
+                f'"{connect.TRANSACTION_PREPARED}" may be used.') if tracks else ""
     if evidence is not None and setting is None:
         return Finding(
             "pooler", "error",
@@ -244,7 +264,22 @@ def pooler_finding(probe: PoolerProbe, setting: str | None) -> Finding:
             "setting is unset (prepared statements collide, LISTEN on this URL hears "
             f"nothing): {evidence}{hint}",
             f"set {connect.SETTING_HINT}; `belay doctor --pooler transaction` checks "
-            "with it set", details)
+            f"with it set.{tracking}", details)
+    if evidence is not None and setting == connect.TRANSACTION_PREPARED and not tracks:
+        return Finding(
+            "pooler", "error",
+            f'pooler="{setting}" is set, but this pooler does not keep prepared statements '
+            f"apart per client: two connections preparing one name collided "
+            f"({probe.prepared_error or 'no answer'}): {evidence}{hint}",
+            f'set pooler="{connect.TRANSACTION}", or run PgBouncer 1.21 or later with '
+            "max_prepared_statements > 0 (e.g. 200)", details)
+    if evidence is not None and setting == connect.TRANSACTION and tracks:
+        return Finding(
+            "pooler", "info",
+            f'transaction pooler detected, and belay\'s pooler="{setting}" matches: '
+            f"{evidence}{hint}.{tracking}",
+            f'pooler="{connect.TRANSACTION_PREPARED}" lets psycopg prepare belay\'s '
+            "repeated statements (less server CPU per job); optional", details)
     if evidence is not None:
         return Finding("pooler", "ok", f'transaction pooler detected, and belay\'s '
                        f'pooler="{setting}" matches: {evidence}{hint}', "", details)
@@ -380,14 +415,23 @@ def tables_finding(tables: Sequence[Mapping[str, Any]], t: Thresholds,
         return Finding(
             "tables", "warning", "; ".join(bloated),
             "see the horizon check first (an old transaction keeps dead rows); else "
-            "VACUUM the table and let autovacuum run sooner on it, e.g. ALTER TABLE "
-            "belay_jobs SET (autovacuum_vacuum_scale_factor = 0.01)", details)
+            f"VACUUM the table and let autovacuum run sooner on it, e.g. {JOBS_AUTOVACUUM}",
+            details)
     jobs = next((r for r in tables if r["table_name"] == "belay_jobs"), None)
     head = ""
     if jobs is not None:
         live, dead = int(jobs["live"] or 0), int(jobs["dead"] or 0)
         head = f"belay_jobs {size(int(jobs['bytes'] or 0))}, {dead:,} dead of " \
                f"{live + dead:,} rows; "
+        vacuum_at = jobs.get("vacuum_at")
+        if vacuum_at is not None and int(vacuum_at) > t.vacuum_at:
+            return Finding(
+                "tables", "info",
+                f"{head}autovacuum takes belay_jobs on only at {int(vacuum_at):,} dead rows "
+                f"(scale factor {float(jobs.get('scale') or 0):g} of its rows): until then "
+                "each claim steps over the index entries of the jobs claimed before it, "
+                "and claims slow down as a backlog drains (docs/scaling.md, big tables)",
+                f"let autovacuum come sooner on belay_jobs: {JOBS_AUTOVACUUM}", details)
     return Finding("tables", "ok", f"{head}{len(tables)} tables {size(total)} in all",
                    "", details)
 
@@ -527,8 +571,53 @@ def probe_pooler(conninfo: str, rounds: int = PROBE_ROUNDS) -> PoolerProbe:
                 pids.append(int(row["pid"]))
                 server_port = row["server_port"]
         url_port = a.info.port
+        said = _prepare_in_turns(a, b, rounds)
     return PoolerProbe(tuple(pids_a), tuple(pids_b),
-                       None if server_port is None else int(server_port), url_port)
+                       None if server_port is None else int(server_port), url_port,
+                       prepared=said is None, prepared_error=said or "")
+
+
+#: The statement name both probe connections prepare: the doctor's own, so
+#: that what a pooler that does not track prepared statements leaves on a
+#: server connection can collide with nobody else's.
+PROBE_STATEMENT: Final = b"belay_doctor_probe"
+
+
+def _said_by(message: bytes) -> str:
+    """libpq's error text without its severity prefix."""
+    text = message.decode(errors="replace").strip()
+    return text.split(":", 1)[1].strip() if text.startswith("ERROR:") else text
+
+
+def _prepare_in_turns(a: psycopg.Connection[Any], b: psycopg.Connection[Any],
+                      rounds: int) -> str | None:
+    """Each connection prepares PROBE_STATEMENT once, then both run it in
+    turns (each its own transaction): None when every call succeeded (a direct
+    connection, or a pooler that keeps each client's prepared statements),
+    else the server's message (a pooler that hands one server connection's
+    prepared statements to every client: the names collide or go missing)."""
+    from psycopg import pq
+
+    prepared: set[int] = set()
+    try:
+        for _ in range(rounds):
+            for conn in (a, b):
+                if id(conn) not in prepared:
+                    res = conn.pgconn.prepare(PROBE_STATEMENT, b"SELECT 1")
+                    if res.status != pq.ExecStatus.COMMAND_OK:
+                        return _said_by(res.error_message)
+                    prepared.add(id(conn))
+                res = conn.pgconn.exec_prepared(PROBE_STATEMENT, None)
+                if res.status != pq.ExecStatus.TUPLES_OK:
+                    return _said_by(res.error_message)
+        return None
+    finally:
+        # Best effort: behind a pooler that does not track them, the statement
+        # lives on whichever server connection ran the PREPARE.
+        for conn in (a, b):
+            if id(conn) in prepared:
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("DEALLOCATE belay_doctor_probe")
 
 
 def _notify(client: Belay, conn: psycopg.Connection[Any], timeout: float) -> Finding:

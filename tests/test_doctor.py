@@ -98,6 +98,20 @@ def test_pooler_severities():
         assert words in unset.fix
     assert "proxies port 6432" in unset.summary
     assert doctor.pooler_finding(shared, "transaction").severity == "ok"
+    # Whether the pooler kept two clients' prepared statements apart.
+    tracking = PoolerProbe((11, 11), (11, 11), 5432, 6432, prepared=True)
+    sharing = PoolerProbe((11, 11), (11, 11), 5432, 6432, prepared=False,
+                          prepared_error='prepared statement "x" already exists')
+    assert doctor.pooler_finding(tracking, "transaction").severity == "info"
+    assert doctor.pooler_finding(tracking, "transaction-prepared").severity == "ok"
+    assert doctor.pooler_finding(sharing, "transaction").severity == "ok"
+    wrong = doctor.pooler_finding(sharing, "transaction-prepared")
+    assert wrong.severity == "error" and "already exists" in wrong.summary
+    assert 'set pooler="transaction"' in wrong.fix
+    assert "transaction-prepared" in doctor.pooler_finding(tracking, None).fix
+    # Without a pooler, what the probe saw about prepared statements says nothing.
+    assert doctor.pooler_finding(PoolerProbe((1,), (2,), 5432, 5432, prepared=True),
+                                 "transaction-prepared").severity == "info"
     # One connection hopping between backends is a pooler too.
     assert probe((1, 2), (3, 3)).evidence is not None
     direct = probe((1, 1), (2, 2))
@@ -155,6 +169,36 @@ def test_dead_rows_warn_only_when_many_and_most():
                                  T).severity == "ok"
     bloated = doctor.tables_finding([table("belay_jobs", 10_000, 30_000)], T)
     assert bloated.severity == "warning" and "75% of rows dead" in bloated.summary
+
+
+def test_a_big_belay_jobs_with_the_default_vacuum_trigger_is_info():
+    big = {**table("belay_jobs", 10_000_000, 5_000), "vacuum_at": 2_000_050, "scale": 0.2}
+    found = doctor.tables_finding([big], T)
+    assert found.severity == "info" and "2,000,050 dead rows" in found.summary
+    assert "autovacuum_vacuum_scale_factor = 0.01" in found.fix
+    tuned = {**big, "vacuum_at": 101_000, "scale": 0.01}
+    assert doctor.tables_finding([tuned], T).severity == "ok"
+    # Another table's trigger is not belay_jobs's (and rows without it are old reads).
+    assert doctor.tables_finding([{**big, "table_name": "belay_steps"}], T).severity == "ok"
+    assert doctor.tables_finding([table("belay_jobs", 10_000_000, 5_000)], T).severity == "ok"
+
+
+def test_the_vacuum_trigger_is_read_off_the_server(db_url, sql_conn):
+    """The table's own storage parameters count before the server's settings."""
+    sql_conn.execute("ALTER TABLE belay_jobs SET (autovacuum_vacuum_scale_factor = 0.5, "
+                     "autovacuum_vacuum_threshold = 300000)")
+    with belay.Belay(db_url) as client:
+        tables = by_check(doctor.run(client))["tables"]
+    jobs = next(r for r in tables.details["tables"] if r["table_name"] == "belay_jobs")
+    assert jobs["scale"] == 0.5 and jobs["vacuum_at"] >= 300_000
+    assert tables.severity == "info" and "at 300,000 dead rows" in tables.summary
+    sql_conn.execute("ALTER TABLE belay_jobs RESET (autovacuum_vacuum_scale_factor, "
+                     "autovacuum_vacuum_threshold)")
+    with belay.Belay(db_url) as client:
+        jobs = next(r for r in by_check(doctor.run(client))["tables"].details["tables"]
+                    if r["table_name"] == "belay_jobs")
+    default = float(sql_conn.execute("SHOW autovacuum_vacuum_scale_factor").fetchone()[0])
+    assert jobs["scale"] == default
 
 
 def test_lease_severities():
@@ -300,6 +344,41 @@ def test_behind_pgbouncer_without_the_setting_is_an_error(pgbouncer: PgBouncer, 
     with belay.Belay(pgbouncer.url_for(dbname), pooler="transaction") as polling:
         notify = by_check(doctor.run(polling))["notify"]
     assert notify.severity == "info" and "direct_url" in notify.fix
+
+
+def test_the_prepared_setting_against_what_the_pooler_does(server_url, direct_url,
+                                                           unset_pooler):
+    """Two real PgBouncers: one that shares prepared statements between its
+    clients (as before 1.21), one that tracks them (1.21+,
+    max_prepared_statements). The doctor tells them apart and judges both
+    settings against each."""
+    from belay.pgbouncer import PREPARED_SINCE, find_binary
+
+    if find_binary(PREPARED_SINCE) is None:
+        why = "needs PgBouncer 1.21 or later: name a build in BELAY_PGBOUNCER"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why} (.ci/run builds one)")
+        pytest.skip(why)
+    dbname = psycopg.conninfo.conninfo_to_dict(direct_url)["dbname"]
+    quick = Thresholds(notify_timeout=0.5)
+    seen = {}
+    for tracks in (False, True):
+        with PgBouncer(server_url, pool_size=1,
+                       max_prepared_statements=100 if tracks else 0) as bouncer:
+            for setting in ("transaction", "transaction-prepared"):
+                with belay.Belay(bouncer.url_for(dbname), pooler=setting,
+                                 notify=False) as client:
+                    seen[tracks, setting] = by_check(doctor.run(client, thresholds=quick))[
+                        "pooler"]
+    assert {key: (f.severity, f.details["prepared"]) for key, f in seen.items()} == {
+        (False, "transaction"): ("ok", False),
+        (False, "transaction-prepared"): ("error", False),
+        (True, "transaction"): ("info", True),
+        (True, "transaction-prepared"): ("ok", True),
+    }
+    wrong = seen[False, "transaction-prepared"]
+    assert 'set pooler="transaction"' in wrong.fix and "belay_doctor_probe" in wrong.summary
+    assert 'pooler="transaction-prepared"' in seen[True, "transaction"].fix
 
 
 def test_the_setting_without_a_pooler_is_info(direct_url, unset_pooler):

@@ -45,10 +45,24 @@ LIMIT %(limit)s;
 
 -- name: doctor_tables
 -- Size, live and dead rows and the last vacuums of belay's tables (the ones
--- of the search path, as belay finds them).
+-- of the search path, as belay finds them), and the dead rows at which
+-- autovacuum takes each on: its threshold plus its scale factor times its
+-- rows, the table's own storage parameters first, else the server's.
 SELECT s.relname::text AS table_name, s.n_live_tup AS live, s.n_dead_tup AS dead,
-       s.last_autovacuum, s.last_vacuum, pg_total_relation_size(s.relid) AS bytes
+       s.last_autovacuum, s.last_vacuum, pg_total_relation_size(s.relid) AS bytes,
+       (COALESCE(o.threshold, current_setting('autovacuum_vacuum_threshold'))::float8
+        + COALESCE(o.scale, current_setting('autovacuum_vacuum_scale_factor'))::float8
+          * GREATEST(c.reltuples, 0))::bigint AS vacuum_at,
+       COALESCE(o.scale, current_setting('autovacuum_vacuum_scale_factor'))::float8 AS scale
 FROM pg_stat_user_tables AS s
+JOIN pg_class AS c ON c.oid = s.relid
+LEFT JOIN LATERAL (
+  SELECT max(option_value) FILTER (WHERE option_name = 'autovacuum_vacuum_threshold')
+           AS threshold,
+         max(option_value) FILTER (WHERE option_name = 'autovacuum_vacuum_scale_factor')
+           AS scale
+  FROM pg_options_to_table(c.reloptions)
+) AS o ON true
 WHERE s.relid IN (SELECT to_regclass(t) FROM unnest(%s::text[]) AS t)
 ORDER BY s.relname;
 
