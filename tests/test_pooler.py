@@ -10,6 +10,7 @@ never leave behind is read off that one session.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -106,6 +107,15 @@ def _advisory_locks(conn: Conn) -> int:
         "(SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()[0])
 
 
+@contextlib.contextmanager
+def _two_clients(url: str, pooler: str) -> Iterator[tuple[belay.Belay, belay.Belay, int]]:
+    """Two clients of one connection each, through ``url``, and a job to read."""
+    a = belay.Belay(url, pooler=pooler, notify=False, min_pool_size=1, max_pool_size=1)
+    b = belay.Belay(url, pooler=pooler, notify=False, min_pool_size=1, max_pool_size=1)
+    with a, b:
+        yield a, b, a.enqueue("pooler.noop").id
+
+
 # -- The setting, or the error that names it ---------------------------------------------
 
 
@@ -113,28 +123,20 @@ def test_without_the_setting_the_pooler_error_names_it(single: str) -> None:
     """Two clients on one server connection: psycopg prepares a repeated query
     after five runs under the name ``_pg3_0``, which the other client's
     preparation then collides with. The error says which setting fixes it."""
-    a = belay.Belay(single, pooler="none", notify=False, min_pool_size=1, max_pool_size=1)
-    b = belay.Belay(single, pooler="none", notify=False, min_pool_size=1, max_pool_size=1)
-    with a, b:
-        job = a.enqueue("pooler.noop")
-        with pytest.raises(PoolerError, match=r'pooler="transaction"') as raised:
-            for _ in range(20):
-                a.get_job(job.id)
-                b.get_job(job.id)
+    with _two_clients(single, "none") as (a, b, job), \
+            pytest.raises(PoolerError, match=r'pooler="transaction"') as raised:
+        for _ in range(20):
+            a.get_job(job)
+            b.get_job(job)
     assert isinstance(raised.value.__cause__, (psycopg.errors.DuplicatePreparedStatement,
                                                psycopg.errors.InvalidSqlStatementName))
     assert "BELAY_POOLER=transaction" in str(raised.value)
 
 
 def test_with_the_setting_clients_share_a_server_connection(single: str) -> None:
-    a = belay.Belay(single, pooler="transaction", notify=False, min_pool_size=1,
-                    max_pool_size=1)
-    b = belay.Belay(single, pooler="transaction", notify=False, min_pool_size=1,
-                    max_pool_size=1)
-    with a, b:
-        job = a.enqueue("pooler.noop")
+    with _two_clients(single, "transaction") as (a, b, job):
         for _ in range(50):
-            assert a.get_job(job.id) == b.get_job(job.id)
+            assert a.get_job(job) == b.get_job(job)
     assert _server_session(single)["prepared"] == 0
 
 
@@ -143,14 +145,9 @@ def test_behind_a_tracking_pooler_belay_prepares(tracking: str) -> None:
     statements: two clients on one server connection, each with its own
     prepared statements (psycopg's names collide; PgBouncer renames them), and
     the server runs them prepared."""
-    a = belay.Belay(tracking, pooler="transaction-prepared", notify=False, min_pool_size=1,
-                    max_pool_size=1)
-    b = belay.Belay(tracking, pooler="transaction-prepared", notify=False, min_pool_size=1,
-                    max_pool_size=1)
-    with a, b:
-        job = a.enqueue("pooler.noop")
+    with _two_clients(tracking, "transaction-prepared") as (a, b, job):
         for _ in range(50):
-            assert a.get_job(job.id) == b.get_job(job.id)
+            assert a.get_job(job) == b.get_job(job)
     with psycopg.connect(tracking, autocommit=True, prepare_threshold=None) as conn:
         names = [row[0] for row in conn.execute("SELECT name FROM pg_prepared_statements")]
     assert names and all(name.startswith("PGBOUNCER_") for name in names)
@@ -161,18 +158,12 @@ def test_the_prepared_setting_behind_a_pooler_that_does_not_track(
     """pooler="transaction-prepared" where the pooler shares prepared
     statements (PgBouncer before 1.21, or max_prepared_statements = 0): the
     error says to use "transaction"."""
-    with PgBouncer(server_url, pool_size=1) as bouncer:
-        url = bouncer.url_for(_dbname(direct_url))
-        a = belay.Belay(url, pooler="transaction-prepared", notify=False, min_pool_size=1,
-                        max_pool_size=1)
-        b = belay.Belay(url, pooler="transaction-prepared", notify=False, min_pool_size=1,
-                        max_pool_size=1)
-        with a, b:
-            job = a.enqueue("pooler.noop")
-            with pytest.raises(PoolerError, match='use "transaction"'):
-                for _ in range(20):
-                    a.get_job(job.id)
-                    b.get_job(job.id)
+    with PgBouncer(server_url, pool_size=1) as bouncer, \
+            _two_clients(bouncer.url_for(_dbname(direct_url)), "transaction-prepared") \
+            as (a, b, job), pytest.raises(PoolerError, match='use "transaction"'):
+        for _ in range(20):
+            a.get_job(job)
+            b.get_job(job)
 
 
 def test_the_setting_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch,
