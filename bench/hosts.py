@@ -1,12 +1,14 @@
 """Hosts: throughput and the database's cost per job for 1, 2, 4 and 8 worker
-processes, each straight to PostgreSQL and behind a transaction-pooling
-PgBouncer. ``python -m bench.hosts [--quick] [--url URL] [--out FILE]``; in
-the suite, :func:`run`.
+processes, each straight to PostgreSQL, behind a transaction-pooling PgBouncer,
+and behind one that tracks prepared statements (1.21 or later: the machine's
+or ``BELAY_PGBOUNCER``). ``python -m bench.hosts [--quick] [--url URL] [--out
+FILE]``; in the suite, :func:`run`.
 
 Each process is the command a user would write, ``belay worker --queue
 default=10`` with every other option at its default (behind the pooler, plus
-``--pooler transaction``; PgBouncer with its own default ``default_pool_size =
-20``), importing this module for the no-op kind below, its log (INFO: one line
+``--pooler transaction``, or ``--pooler transaction-prepared`` with
+``max_prepared_statements = 200``; PgBouncer with its own default
+``default_pool_size = 20``), importing this module for the no-op kind below, its log (INFO: one line
 per job) going to a file. The processes start first and idle; then N no-op
 jobs are inserted in one statement (the rows ``enqueue_many`` writes), so every
 process sees the whole backlog at the same moment, within one idle poll (0.5 s).
@@ -490,9 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"## {SECTION}", "",
              ("Quick size" if args.quick else "Full size") + f": {first.get('jobs', 0):,} "
              "no-op jobs per drain, inserted in one statement once every process idles; "
-             "each process `belay worker --queue default=10` (defaults otherwise), behind "
-             f"PgBouncer (transaction pooling, pool size {POOL_SIZE}) with `--pooler "
-             "transaction`; jobs/s over the 10th to 90th percentile of finished_at; "
+             "each process `belay worker --queue default=10` (defaults otherwise); pooled: "
+             f"behind PgBouncer (transaction pooling, pool size {POOL_SIZE}) with `--pooler "
+             "transaction`; prepared: behind PgBouncer 1.21+ with max_prepared_statements = "
+             "200 and `--pooler transaction-prepared`; jobs/s over the 10th to 90th "
+             "percentile of finished_at; "
              f"{repeats} drain(s) per configuration (median). Method: bench/hosts.py.", "",
              table(measured), ""]
     if first.get("statements_note"):
