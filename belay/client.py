@@ -311,7 +311,11 @@ class Belay:
             channel = self._channel = names.notify_channel(store.current_database(conn))
         return channel
 
-    def _poke(self, conn: Conn, queues: Iterable[str], results: Iterable[int] = ()) -> None:
+    def poke(self, conn: Conn, queues: Iterable[str], results: Iterable[int] = ()) -> None:
+        """Inside ``conn``'s transaction (with ``notify=True``): wake the
+        workers of ``queues`` and the waiters on the results of the job ids
+        ``results`` (§9.2), at commit; deferred to the outer transaction when
+        a framework adapter holds one open."""
         if not self.notify:
             return
         payloads = [store.poke_payload(q) for q in queues]
@@ -402,7 +406,7 @@ class Belay:
             return []
         with self.transaction(conn) as active:
             results = self._insert(active, rows, now)
-            self._poke(active, {job.queue for job in results if not job.duplicate})
+            self.poke(active, {job.queue for job in results if not job.duplicate})
         return results
 
     def enqueue_workflow(
@@ -431,7 +435,7 @@ class Belay:
             if len(inserted) != len(rows):
                 # Members carry no unique key or cron slot, so nothing can conflict.
                 raise RuntimeError("belay: a workflow member was not inserted")
-            self._poke(active, {job.queue for job in inserted if job.state == "ready"})
+            self.poke(active, {job.queue for job in inserted if job.state == "ready"})
         return dict(zip(rows, inserted, strict=True))
 
     def _build(self, spec: JobSpec, now: datetime) -> Row:
@@ -651,7 +655,7 @@ class Belay:
         body = dumps_object(payload if payload is not None else {}, what="signal payload")
         with self.transaction(conn) as active:
             woken = store.deliver_signal(active, scope, name, body.decode(), self.clock.now())
-            self._poke(active, {queue for _, queue in woken})
+            self.poke(active, {queue for _, queue in woken})
         return [job_id for job_id, _ in woken]
 
     # -- Cancel and retry (§8.6) -------------------------------------------------
@@ -665,7 +669,7 @@ class Belay:
             if outcome is None:
                 raise JobNotFound(job_id)
             finished = [outcome.job.id] if outcome.status == "cancelled" else []
-            self._poke(
+            self.poke(
                 active,
                 {queue for _, queue in outcome.settled.ready},
                 finished + outcome.settled.cancelled,
@@ -680,7 +684,7 @@ class Belay:
                 raise JobNotFound(job_id)
             if isinstance(outcome, str):
                 raise NotRetryable(job_id, outcome)
-            self._poke(
+            self.poke(
                 active, {queue for _, queue in outcome.settled.ready}, outcome.settled.cancelled
             )
         return outcome.job

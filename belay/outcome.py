@@ -27,6 +27,11 @@ TRACEBACK_LIMIT = 4_000
 MESSAGE_LIMIT = 2_000
 #: The longest a retry or snooze may wait: a timestamp must be able to hold it.
 MAX_DELAY = 366 * 86_400.0
+#: A job a node can't run (a kind it doesn't know, input it can't decrypt)
+#: goes back to its queue for this long, the attempt not counted: for a node
+#: that can, or for this one once it is fixed. The Python worker and the HTTP
+#: worker sessions both.
+RETURN_SNOOZE = 60.0
 
 log = logging.getLogger("belay.worker")
 

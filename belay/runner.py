@@ -62,6 +62,7 @@ from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.errors import ConfigurationError, ValidationError
 from belay.job import Job
 from belay.outcome import (
+    RETURN_SNOOZE,
     Outcome,
     decide,
     default_backoff,
@@ -70,6 +71,7 @@ from belay.outcome import (
     safe_delay,
     safe_repr,
 )
+from belay.parts.maintenance import RECLAIM_LIMIT, reclaim_expired
 from belay.queues import QueueSpec, adapt_limit, parse_queues
 from belay.queues import merge as merge_queues
 from belay.registry import DEFAULT_REGISTRY, Chunk, Registry
@@ -88,7 +90,7 @@ log = logging.getLogger("belay.worker")
 T = TypeVar("T")
 
 #: A job whose kind no worker here knows goes back this far into the future.
-UNKNOWN_KIND_SNOOZE = 60.0
+UNKNOWN_KIND_SNOOZE = RETURN_SNOOZE
 
 #: Seconds a queue keeps polling at ``busy_poll`` after a claim found work.
 HOT_WINDOW = 0.25
@@ -1242,26 +1244,11 @@ class Worker:
             self._pool.close()
             self._pool = None
 
-    def reclaim(self, limit: int = 100) -> int:
+    def reclaim(self, limit: int = RECLAIM_LIMIT) -> int:
         """Retry or fail jobs whose leases expired (any node's); returns how many."""
-        now = self._now()
-        count = 0
         with self._connection() as conn:
-            for job_id in store.expired_leases(conn, now, limit):
-                try:
-                    with conn.transaction():
-                        acked = store.reclaim_one(conn, job_id, now, self._backoff_for)
-                        if acked is not None:
-                            self._notify_acked(conn, acked)
-                except Exception:
-                    # One bad row must not stop the pass for the rows behind it.
-                    log.exception("belay: reclaiming job %d failed", job_id)
-                    continue
-                if acked is not None:
-                    count += 1
-                    log.warning("belay: reclaimed job %d (lease expired) → %s", job_id,
-                                acked.job.state)
-        return count
+            return reclaim_expired(conn, self._now(), self._backoff_for, self._notify_acked,
+                                   limit)
 
     def reconcile(self) -> int:
         """§8.4 backstop (race R2): wake parents whose children are all terminal

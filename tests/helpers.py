@@ -228,3 +228,14 @@ class Ends:
     def outcomes(self) -> dict[int, str]:
         with self._cond:
             return {e.job.id: e.outcome for e in self.events}
+
+
+def refuse_updates_of(conn: Conn, job_id: int) -> None:
+    """A trigger that makes every UPDATE of one belay_jobs row fail: a row
+    nothing can write, as a constraint or a broken extension can make one."""
+    conn.execute(
+        "CREATE OR REPLACE FUNCTION belay_test_refuse() RETURNS trigger LANGUAGE plpgsql "
+        "AS $$ BEGIN RAISE EXCEPTION 'this row refuses updates'; END $$")
+    conn.execute(
+        f"CREATE TRIGGER belay_test_refuse_{job_id} BEFORE UPDATE ON belay_jobs FOR EACH ROW "
+        f"WHEN (OLD.id = {int(job_id)}) EXECUTE FUNCTION belay_test_refuse()")

@@ -27,7 +27,7 @@ from belay.http.workers import (
     parse_registration,
     worker_routes,
 )
-from tests.helpers import job_row
+from tests.helpers import START, job_row, refuse_updates_of, running_job
 from tests.strategies import deep
 
 
@@ -429,6 +429,19 @@ def test_stale_completion_after_reclaim_writes_nothing(
     assert (row["state"], row["attempt"], row["result"]) == ("running", 2, None)
     sessions.complete(fast, second["execution_id"], "success", result="on time")
     assert client.await_result(job.id, timeout=5) == "on time"
+
+
+def test_a_row_reclaim_cannot_write_does_not_hold_back_the_rest(
+        sessions: WorkerSessions, sql_conn: psycopg.Connection[Any]) -> None:
+    """The sessions' reclaim is the Python worker's (belay.parts.maintenance):
+    a row whose reclaim fails is logged and skipped, and the rows behind it
+    are reclaimed (before, the pass stopped at it, on every sweep)."""
+    stuck = running_job(sql_conn, lease_until=START - timedelta(seconds=2))
+    behind = running_job(sql_conn, lease_until=START - timedelta(seconds=1))
+    refuse_updates_of(sql_conn, stuck)
+    assert sessions.reclaim() == 1
+    assert job_row(sql_conn, behind)["state"] == "ready"
+    assert job_row(sql_conn, stuck)["state"] == "running"
 
 
 def test_lost_lease_is_noticed_by_the_heartbeat(

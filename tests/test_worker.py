@@ -41,6 +41,7 @@ from tests.helpers import (
     awaiting_own_scope,
     insert_job,
     job_row,
+    refuse_updates_of,
     running_job,
     signal_rows,
     wait_until,
@@ -781,6 +782,15 @@ def test_a_broken_backoff_does_not_jam_reclaim(client, sql_conn) -> None:
         reclaim(client, reg)
     assert job_row(sql_conn, behind)["state"] == "ready"
     assert job_row(sql_conn, jammed)["state"] == "ready"
+
+
+def test_a_row_reclaim_cannot_write_does_not_hold_back_the_rest(client, sql_conn) -> None:
+    stuck = running_job(sql_conn, lease_until=START - timedelta(seconds=2))
+    behind = running_job(sql_conn, lease_until=START - timedelta(seconds=1))
+    refuse_updates_of(sql_conn, stuck)
+    assert reclaim(client, belay.Registry()) == 1
+    assert job_row(sql_conn, behind)["state"] == "ready"
+    assert job_row(sql_conn, stuck)["state"] == "running"
 
 
 # -- claim (§4, §6) --------------------------------------------------------------------------------

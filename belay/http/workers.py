@@ -55,6 +55,7 @@ from belay.http.options import (
 from belay.job import Job
 from belay.outcome import (
     MESSAGE_LIMIT,
+    RETURN_SNOOZE,
     TRACEBACK_LIMIT,
     Outcome,
     decide,
@@ -63,6 +64,7 @@ from belay.outcome import (
     safe_delay,
     storable,
 )
+from belay.parts.maintenance import RECLAIM_LIMIT, reclaim_expired
 from belay.queues import QueueSpec
 from belay.queues import merge as merge_queues
 
@@ -93,8 +95,6 @@ MAX_CAPACITY = 256
 MAX_ERROR_BYTES = 16_384
 #: Seconds between polls of an idle queue while a claim waits: doubling up to the cap.
 POLL_FIRST, POLL_CAP = 0.02, 0.5
-#: A job this session can't run (encrypted input without the key) goes back for this long.
-RETURN_SNOOZE = 60.0
 
 _REGISTER_KEYS = {"runtime_id", "tasks", "capacity", "queue"}
 _COMPLETE_KEYS = {"execution_id", "outcome", "result", "error", "reservation_id"}
@@ -484,23 +484,13 @@ class WorkerSessions:
         log.info("belay: HTTP worker %s closed (%d execution(s) left to lease expiry)",
                  session.node_id, len(session.live()))
 
-    def reclaim(self, limit: int = 100) -> int:
+    def reclaim(self, limit: int = RECLAIM_LIMIT) -> int:
         """Retry or fail jobs whose leases expired (any node's), as a worker's sweeper
-        does, with each job's backoff; returns how many."""
-        now = self.client.clock.now()
-        count = 0
+        does (the same code), with each job's backoff; returns how many."""
         with self._db() as conn:
-            for job_id in store.expired_leases(conn, now, limit):
-                with conn.transaction():
-                    acked = store.reclaim_one(
-                        conn, job_id, now, lambda job: safe_delay(job_backoff(job), job.attempt))
-                    if acked is not None:
-                        self._poke(conn, acked)
-                if acked is not None:
-                    count += 1
-                    log.warning("belay: reclaimed job %d (lease expired) → %s", job_id,
-                                acked.job.state)
-        return count
+            return reclaim_expired(
+                conn, self.client.clock.now(),
+                lambda job: safe_delay(job_backoff(job), job.attempt), self._poke, limit)
 
     def sessions(self) -> int:
         with self._lock:
@@ -618,7 +608,7 @@ class WorkerSessions:
 
     def _poke(self, conn: store.Conn, acked: store.Acked) -> None:
         results = [acked.job.id] if acked.job.terminal else []
-        self.client._poke(conn, {q for _, q in acked.settled.ready},
+        self.client.poke(conn, {q for _, q in acked.settled.ready},
                           results + acked.settled.cancelled)
 
     # -- The heartbeat thread ------------------------------------------------------------
