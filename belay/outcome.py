@@ -1,4 +1,4 @@
-"""How a run ends, decided without I/O (the ack table of DESIGN.md, contract §7).
+"""How a run ends, decided without I/O (docs/contract.md §7, its outcome table).
 
 A worker function returns a value (succeeded), raises :class:`Cancel` or
 :class:`Snooze` (cancelled, snoozed), or raises anything else (retry with
