@@ -1,4 +1,4 @@
-"""Batched acks (DESIGN.md, deliberate difference 2): many successes in one
+"""Batched acks (docs/contract.md §7, where belay differs): many successes in one
 statement, each row fenced on its own claimed attempt, equal to N single acks.
 
 Only jobs whose terminal write settles nothing (no workflow, no parent) are

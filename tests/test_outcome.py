@@ -1,4 +1,4 @@
-"""How a run ends (belay/outcome.py, the ack table of DESIGN.md, contract §7) and how
+"""How a run ends (belay/outcome.py, docs/contract.md §7, its outcome table) and how
 workers are registered (belay/registry.py). Pure: no database.
 
 The end-to-end versions of these outcomes, through a real worker and the fenced

@@ -1,8 +1,8 @@
-"""The schema belay creates and the startup check (contract §1, §3; DESIGN.md
-"Restored facts" and "Deliberate differences").
+"""The schema belay creates and the startup check (docs/contract.md §1 and §3,
+with where belay differs).
 
-The expected catalog below is written out by hand from DESIGN.md (itself restored
-from the reference's ``@migrations``), in the exact text PostgreSQL prints for it —
+The expected catalog below is written out by hand from docs/contract.md §3 (which
+restores the reference's ``@migrations``), in the exact text PostgreSQL prints for it —
 the same on PostgreSQL 15 and 18 — so any drift from the shared schema fails here.
 """
 
@@ -33,7 +33,7 @@ from tests.helpers import url_for
 
 REPO = Path(__file__).resolve().parent.parent
 
-# -- Expected catalog (§3, DESIGN.md "Restored facts") ----------------------------------
+# -- Expected catalog (docs/contract.md §3) ---------------------------------------------------
 
 # (column, format_type, NOT NULL, default as pg_get_expr prints it), in DDL order.
 TS = "timestamp with time zone"
@@ -179,7 +179,7 @@ EXPECTED_INDEXES: dict[str, dict[str, str]] = {
             "WHERE ((unique_key IS NOT NULL) "
             "AND (unique_mode = ANY (ARRAY['window'::text, 'always'::text])))"
         ),
-        # Migration 3 (DESIGN.md deliberate difference 1): the claim's own order.
+        # Migration 3 (docs/contract.md §3, where belay differs): the claim's own order.
         "belay_jobs_claim_order_idx": (
             f"CREATE INDEX belay_jobs_claim_order_idx {_ON} "
             "(queue, priority, ready_at NULLS FIRST, id) WHERE (state = 'ready'::text)"
@@ -387,7 +387,7 @@ def test_indexes_match_the_reference_names_columns_uniqueness_and_predicates(
 
 @pytest.mark.parametrize("table", TABLES)
 def test_primary_key_only_no_foreign_keys_or_checks(db_url: str, table: str) -> None:
-    """§3 / DESIGN.md: no foreign keys, no CHECKs — the only constraint is the PK."""
+    """§3: no foreign keys, no CHECKs — the only constraint is the PK."""
     with psycopg.connect(db_url) as conn:
         constraints = _constraints(conn, table)
     pk = EXPECTED_PRIMARY_KEYS[table]
@@ -432,7 +432,7 @@ def test_migration_3_claim_order_index_puts_null_ready_at_first(db_url: str) -> 
     assert list(options) == [0, 0, 2, 0]
 
 
-# -- DESIGN.md deliberate difference 1: the claim uses the ordered index ------------------
+# -- docs/contract.md §3, where belay differs: the claim uses the ordered index ----------------
 
 #: The claim's own ready-set select (its first CTE), as the worker runs it.
 CLAIM_READY = QUERIES["claim"].split("WITH ready AS (", 1)[1].split("), due AS", 1)[0]
@@ -475,7 +475,7 @@ def _explain_claim(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
 def test_claim_select_uses_claim_order_index_without_sorting(
     sql_conn: psycopg.Connection[Any],
 ) -> None:
-    """DESIGN.md deliberate difference 1: no Sort of the ready set on any claim."""
+    """§3, where belay differs: no Sort of the ready set on any claim."""
     _fill_ready_set(sql_conn)
     # The planner's own choice, no enable_* overrides: with LIMIT 10 an index whose
     # order is the ORDER BY wins outright.
@@ -532,7 +532,8 @@ def test_the_claim_reads_the_index_in_order_before_the_first_analyze(
 
 def test_reference_claim_index_alone_would_sort(sql_conn: psycopg.Connection[Any]) -> None:
     """The control for the test above: without migration 3's index the same select
-    needs a Sort (the cost DESIGN.md measured), so the plan check can tell them apart."""
+    needs a Sort (the cost that made belay add the ordered index), so the plan
+    check can tell them apart."""
     _fill_ready_set(sql_conn)
     sql_conn.execute("DROP INDEX belay_jobs_claim_order_idx")
     nodes = _explain_claim(sql_conn)
@@ -583,7 +584,7 @@ def _race_migrations(url: str, threads: int) -> tuple[list[list[int]], list[Base
 
 
 def test_concurrent_migrations_apply_each_revision_exactly_once(server_url: str) -> None:
-    """DESIGN.md: safe when several processes migrate at once (advisory lock)."""
+    """Migrations are safe when several processes run them at once (an advisory lock)."""
     threads = 6
     for _round in range(3):
         with fresh_empty_database(server_url) as url:

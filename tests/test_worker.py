@@ -365,7 +365,7 @@ def test_a_result_that_is_not_json_retries_with_a_bad_result_error(client, sql_c
 
 def test_a_timed_out_attempt_is_retried_while_its_thread_keeps_the_slot(client, sql_conn,
                                                                         clock) -> None:
-    """Threads can't be killed (DESIGN.md): the attempt is retried at the timeout,
+    """Threads can't be killed (docs/contract.md §6): the attempt is retried at the timeout,
     the slot stays taken until the function returns, and the late function's
     checkpoint raises Interrupted, which ``except Exception:`` doesn't catch."""
     reg = belay.Registry()
