@@ -134,6 +134,9 @@ class Belay:
     prepared statements, nothing kept across transactions, and LISTEN only on
     ``direct_url`` (default: ``BELAY_DIRECT_URL``), a URL that reaches the
     server directly; without one, waits poll (docs/scaling.md).
+    ``pooler="transaction-prepared"``: the same behind a pooler that tracks
+    prepared statements (PgBouncer 1.21+ with ``max_prepared_statements``),
+    where belay's statements are prepared again.
     """
 
     def __init__(
@@ -153,7 +156,8 @@ class Belay:
         direct_url: str | None = None,
     ) -> None:
         self.conninfo = normalize_url(url)
-        #: "transaction" behind a transaction-pooling pooler, else None.
+        #: "transaction" or "transaction-prepared" behind a transaction-pooling
+        #: pooler, else None.
         self.pooler = connect.pooler_setting(pooler)
         direct = connect.direct_url_setting(direct_url)
         #: A URL that reaches the server directly (LISTEN, replay), if given.
