@@ -48,11 +48,14 @@ from belay import connect
 from belay.client import Belay
 from belay.codec import parse_text
 from belay.errors import (
+    INVALID,
+    UNAVAILABLE,
     BelayError,
     ConfigurationError,
     JobNotFound,
     NotRetryable,
     ValidationError,
+    database_failure,
 )
 from belay.job import STATES
 from belay.redact import describe, redact, redact_logging, secrets_of
@@ -400,11 +403,11 @@ def _guarded(command: Callable[[], int], secrets: Sequence[str] = ()) -> int:
     except BelayError as exc:
         say(describe(exc))
         return 1
-    except psycopg.OperationalError as exc:
-        say(f"cannot connect to the database: {describe(exc).strip()}")
-        return 1
     except psycopg.Error as exc:
-        say(f"the database refused: {describe(exc).strip()}")
+        what = {UNAVAILABLE: "cannot connect to the database",
+                INVALID: "the database refused a value"}.get(database_failure(exc) or "",
+                                                             "the database refused")
+        say(f"{what}: {describe(exc).strip()}")
         return 1
     except _InterruptedImport as exc:
         say(describe(exc))

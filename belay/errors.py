@@ -2,10 +2,41 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
+
+import psycopg
+import psycopg_pool
 
 if TYPE_CHECKING:
     from belay.job import Job
+
+#: What a failed database call means to whoever reports it (:func:`database_failure`).
+UNAVAILABLE: Final = "unavailable"
+INVALID: Final = "invalid"
+REFUSED: Final = "refused"
+
+
+def database_failure(exc: BaseException) -> str | None:
+    """What a failed database call means, one answer for every surface that
+    reports one (the CLI, the HTTP API and its worker sessions, the MCP
+    server, the dashboard); None when ``exc`` is not a database failure.
+
+    - :data:`INVALID`: PostgreSQL refused a value of the call (a ``DataError``:
+      a NUL in text, a number out of range). The caller's input: a 400.
+    - :data:`UNAVAILABLE`: there was no database to talk to (the connection
+      failed or broke, no pooled connection came in time, the server is
+      shutting down or cancelled the statement). Try again later: a 503.
+    - :data:`REFUSED`: the database answered no (a missing privilege, a
+      missing table, a constraint). The deployment's to fix.
+    """
+    if isinstance(exc, psycopg.DataError):
+        return INVALID
+    if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError,
+                        psycopg_pool.PoolTimeout)):
+        return UNAVAILABLE
+    if isinstance(exc, psycopg.Error):
+        return REFUSED
+    return None
 
 
 class BelayError(Exception):

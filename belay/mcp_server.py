@@ -29,7 +29,7 @@ import psycopg.errors
 
 from belay import ops
 from belay.client import Belay
-from belay.errors import BelayError, ConfigurationError
+from belay.errors import INVALID, UNAVAILABLE, BelayError, ConfigurationError, database_failure
 from belay.job import STATES
 
 try:
@@ -274,14 +274,16 @@ def _call(fn: Callable[[], _T]) -> _T:
         return fn()
     except BelayError as exc:
         raise ToolError(str(exc)) from exc
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise ToolError(f"the database refused: {str(exc).strip()} (grant the server's "
-                        "database role the privilege, or connect as another role)") from exc
-    except psycopg.OperationalError as exc:
-        raise ToolError(f"the database is unreachable: {str(exc).strip()}") from exc
-    except psycopg.DataError as exc:  # a value PostgreSQL can't take, like a NUL
-        raise ToolError(f"the database refused a value of this call: {str(exc).strip()}") \
-            from exc
+    except psycopg.Error as exc:
+        said = str(exc).strip()
+        kind = database_failure(exc)
+        if kind == UNAVAILABLE:
+            raise ToolError(f"the database is unreachable: {said}") from exc
+        if kind == INVALID:  # a value PostgreSQL can't take, like a NUL
+            raise ToolError(f"the database refused a value of this call: {said}") from exc
+        hint = (" (grant the server's database role the privilege, or connect as another "
+                "role)" if isinstance(exc, psycopg.errors.InsufficientPrivilege) else "")
+        raise ToolError(f"the database refused: {said}{hint}") from exc
 
 
 def _name(value: str | None, what: str) -> str | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from wsgiref.util import setup_testing_defaults
 
+import psycopg
 import pytest
 
 import belay
@@ -644,6 +645,25 @@ def test_security_headers_are_on_every_response(client, sql_conn, token_app):
         assert reply.headers["x-frame-options"] == "DENY"
         assert reply.headers["referrer-policy"] == "no-referrer"
         assert "set-cookie" not in reply.headers
+
+
+def test_a_database_that_refuses_is_a_503_naming_the_role(db_url, sql_conn):
+    """A role the database refuses (no privilege on belay's tables): a 503 that
+    says so, never a 500 (before, only connection failures had an answer)."""
+    role = f"belay_dash_none_{os.getpid()}"
+    sql_conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'no-secret'")
+    try:
+        sql_conn.execute(f"GRANT SELECT ON belay_meta TO {role}")
+        url = psycopg.conninfo.make_conninfo(db_url, user=role, password="no-secret")
+        with belay.Belay(url) as stranger:
+            reply = call(make_app(stranger), "GET", "/api/overview")
+        assert reply.status == 503
+        assert "refused this request" in reply.json["error"]
+        assert "permission denied" in reply.json["error"]
+        assert "database role" in reply.json["error"]
+    finally:
+        sql_conn.execute(f"DROP OWNED BY {role}")
+        sql_conn.execute(f"DROP ROLE {role}")
 
 
 def test_a_database_that_is_down_is_a_503(empty_db_url):

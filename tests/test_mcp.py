@@ -565,6 +565,24 @@ def test_cancel_of_a_running_job_is_requested_in_memory(
     assert job_row(sql_conn, job_id)["cancel_requested"] is True
 
 
+def test_any_refusal_of_the_database_is_a_tool_error_with_its_reason(
+    client: Belay, seed: Seed, sql_conn: Conn
+) -> None:
+    """Not only a missing privilege: whatever the database refuses (here a
+    table gone) comes back as the tool's error with the database's words."""
+    sql_conn.execute("ALTER TABLE belay_signals RENAME TO belay_signals_gone")
+    try:
+        server = build_server(client, ops.Guard(allow=True))
+
+        async def body(mcp: Client) -> str:
+            return refused(await mcp.call_tool(
+                "signal", {"job_id": seed.agent, "name": "approve"}))
+        message = session(server, body)
+    finally:
+        sql_conn.execute("ALTER TABLE belay_signals_gone RENAME TO belay_signals")
+    assert 'the database refused: relation "belay_signals" does not exist' in message
+
+
 def test_a_read_only_database_role_serves_reads_and_says_why_a_write_failed(
     db_url: str, seed: Seed, sql_conn: Conn
 ) -> None:

@@ -32,7 +32,15 @@ import psycopg
 
 from belay import names, ops
 from belay.dashboard import pages
-from belay.errors import JobNotFound, NotRetryable, SchemaError, ValidationError
+from belay.errors import (
+    INVALID,
+    REFUSED,
+    JobNotFound,
+    NotRetryable,
+    SchemaError,
+    ValidationError,
+    database_failure,
+)
 from belay.redact import describe, redact, secrets_of
 
 log = logging.getLogger("belay.dashboard")
@@ -160,14 +168,17 @@ def _static_files() -> dict[str, bytes]:
 
 
 class Dashboard:
-    """The dashboard over one belay client. ``unavailable`` lists the
-    exceptions that mean "the database can't be reached" (answered 503)."""
+    """The dashboard over one belay client. A failed database call is answered
+    as :func:`belay.errors.database_failure` classes it (a refused value 400,
+    else 503); ``unavailable`` adds exceptions of a framework's own that mean
+    "the database can't be reached" (503)."""
 
     def __init__(self, client: Any, *,
-                 unavailable: tuple[type[BaseException], ...] = (psycopg.OperationalError,)
+                 unavailable: tuple[type[BaseException], ...] = ()
                  ) -> None:
         self.client = client
         self.unavailable = unavailable
+        self._database_errors: tuple[type[BaseException], ...] = (psycopg.Error, *unavailable)
         self.static = _static_files()
 
     # -- Dispatch --------------------------------------------------------------------
@@ -206,14 +217,19 @@ class Dashboard:
             return self._failure(_Failure(409, str(exc)), api, page)
         except ValidationError as exc:
             return self._failure(_Failure(400, str(exc)), api, page)
-        except psycopg.DataError as exc:  # a value PostgreSQL can't take, like a NUL
-            return self._failure(_Failure(
-                400, f"the database refused a value of this request: "
-                     f"{' '.join(str(exc).split())}"), api, page)
         except SchemaError as exc:
             return self._failure(_Failure(503, str(exc)), api, page)
-        except self.unavailable as exc:
+        except self._database_errors as exc:
             detail = " ".join(str(exc).split()) or type(exc).__name__
+            kind = database_failure(exc)
+            if kind == INVALID:  # a value PostgreSQL can't take, like a NUL
+                return self._failure(_Failure(
+                    400, f"the database refused a value of this request: {detail}"), api, page)
+            if kind == REFUSED:
+                return self._failure(_Failure(
+                    503, f"the database refused this request ({detail}); check the "
+                         "dashboard's database role (its privileges) and that `belay migrate` "
+                         "ran"), api, page)
             return self._failure(_Failure(
                 503, f"the database is unavailable ({detail}); check that PostgreSQL is up "
                      "and that the dashboard's database URL is right"), api, page)

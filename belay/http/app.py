@@ -14,7 +14,6 @@ from typing import Any, Final
 
 import anyio
 import psycopg
-import psycopg_pool
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -25,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from belay.client import Belay
 from belay.codec import dumps
-from belay.errors import JobNotFound, SchemaError, ValidationError
+from belay.errors import INVALID, JobNotFound, SchemaError, ValidationError, database_failure
 from belay.http.errors import STATUS, ApiError, error_body, invalid
 from belay.http.openapi import document
 from belay.http.options import (
@@ -165,9 +164,11 @@ class _Api:
                 raise invalid(str(exc)) from None
             except JobNotFound as exc:
                 raise ApiError("not_found", str(exc)) from None
-            except psycopg.DataError as exc:  # a value PostgreSQL can't take, like a NUL
-                raise invalid(f"PostgreSQL refused a value: {first_line(exc)}") from None
-            except (psycopg.Error, psycopg_pool.PoolTimeout, SchemaError, OSError) as exc:
+            except (psycopg.Error, SchemaError, OSError) as exc:
+                if database_failure(exc) == INVALID:  # a value PostgreSQL can't take
+                    raise invalid(f"PostgreSQL refused a value: {first_line(exc)}") from None
+                # Unavailable, a schema belay can't use, or refused (a privilege, a
+                # missing table): nothing was done either way, and the message says which.
                 raise ApiError("unavailable", f"the database is unavailable "
                                f"({type(exc).__name__}: {first_line(exc)}); nothing was "
                                "done, try again") from None
@@ -299,7 +300,7 @@ class _Api:
         while True:
             try:
                 job, fresh = await run_in_threadpool(read, after)
-            except (psycopg.Error, psycopg_pool.PoolTimeout, OSError) as exc:
+            except (psycopg.Error, OSError) as exc:
                 yield _sse("error", error_body("unavailable", f"the database is unavailable "
                                                f"({type(exc).__name__}); reconnect with "
                                                f"Last-Event-ID {after}"))

@@ -32,7 +32,6 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-import psycopg_pool
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -41,7 +40,7 @@ from starlette.routing import BaseRoute, Route
 from belay import names, store
 from belay.client import Belay
 from belay.crypto import decrypt_input, is_encrypted
-from belay.errors import ConfigurationError, ValidationError
+from belay.errors import UNAVAILABLE, ConfigurationError, ValidationError, database_failure
 from belay.http.app import read_body
 from belay.http.errors import ApiError
 from belay.http.options import (
@@ -692,7 +691,9 @@ def _guarded(client: Belay) -> Iterator[store.Conn]:
     try:
         with client.connection() as conn:
             yield conn
-    except (psycopg.OperationalError, psycopg.InterfaceError, psycopg_pool.PoolTimeout) as exc:
+    except psycopg.Error as exc:
+        if database_failure(exc) != UNAVAILABLE:
+            raise
         raise Unavailable(f"the database is unavailable ({type(exc).__name__}); retry "
                           "later") from exc
 
