@@ -19,7 +19,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Final
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.rows import dict_row
 
 from belay import connect, store
@@ -596,8 +596,6 @@ def _prepare_in_turns(a: psycopg.Connection[Any], b: psycopg.Connection[Any],
     connection, or a pooler that keeps each client's prepared statements),
     else the server's message (a pooler that hands one server connection's
     prepared statements to every client: the names collide or go missing)."""
-    from psycopg import pq
-
     prepared: set[int] = set()
     try:
         for _ in range(rounds):
