@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -15,12 +14,13 @@ from belay import names, store
 from belay.codec import decode_value, dumps_object, encode_value
 from belay.enqueue import JobSpec, check_seconds, usd_to_micros
 from belay.errors import ConfigurationError, ValidationError
+from belay.parts.execution import Execution as Execution
 
 if TYPE_CHECKING:
     from belay.client import Belay
     from belay.job import Job
     from belay.queues import Rate
-    from belay.registry import Registry, WorkerDef
+    from belay.registry import Registry
 
 T = TypeVar("T")
 E = TypeVar("E", bound=BaseException)
@@ -140,59 +140,6 @@ class Interrupted(BaseException):
     """
 
 
-class Execution:
-    """One claimed attempt on this node, from claim to ack."""
-
-    def __init__(self, job: Job, definition: WorkerDef | None, timeout: float | None) -> None:
-        self.job = job
-        self.definition = definition
-        self.started = time.monotonic()
-        self.deadline = None if timeout is None else self.started + timeout
-        self._lock = threading.Lock()
-        self._ended: str | None = None
-        #: Set when the thread running it returns (its slot is free again).
-        self.done = threading.Event()
-        #: The ident of the thread running it, once one does.
-        self.thread: int | None = None
-        #: The control-flow exception (park, sleep, budget, cancel…) this job's
-        #: own context raised, so a chunk can tell whose it was.
-        self.control: BaseException | None = None
-        #: The claim-time rate estimate was credited back by ``ctx.debit``.
-        self.credited = False
-        #: The producer slot this execution holds (the worker's bookkeeping).
-        self.owner: Any = None
-        #: Its success waits in the worker's batched acker (slot already free).
-        self.ack_pending = False
-
-    def take_credit(self) -> bool:
-        """True the first time only: the claim's rate estimate is credited once per run."""
-        with self._lock:
-            first, self.credited = not self.credited, True
-            return first
-
-    def restart_clock(self, timeout: float | None) -> None:
-        """Start the timeout now (a chunk's jobs wait in a buffer before they run)."""
-        self.started = time.monotonic()
-        self.deadline = None if timeout is None else self.started + timeout
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.job.id, self.job.attempt)
-
-    @property
-    def ended(self) -> str | None:
-        """Why this execution may no longer ack: "lost", "timeout", or "acked"."""
-        return self._ended
-
-    def end(self, why: str) -> bool:
-        """Claim the right to end this execution; False when something else did first."""
-        with self._lock:
-            if self._ended is not None:
-                return False
-            self._ended = why
-            return True
-
-
 class Context:
     """Passed to a worker function: the job, and the run's link to belay."""
 
@@ -250,7 +197,7 @@ class Context:
     @property
     def interrupted(self) -> bool:
         """True once this run lost its lease or timed out: its work will be discarded."""
-        return self._execution.ended in ("lost", "timeout")
+        return self._execution.interrupted
 
     def _control(self, exc: E) -> E:
         """Mark ``exc`` as this job's control flow (a chunk tells its jobs apart by it)."""

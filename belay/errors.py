@@ -72,6 +72,19 @@ class ContractMismatch(SchemaError):
     """The database speaks a wire-contract major this belay does not know."""
 
 
+class WorkerCrashed(BelayError):
+    """A worker's background service died (its heartbeat, a producer, the
+    acker…): the worker stopped claiming and stopped, and ``run()`` raises
+    this so ``belay worker`` exits non-zero and a supervisor restarts it."""
+
+    def __init__(self, service: str, cause: BaseException) -> None:
+        super().__init__(f"the worker's {service} service crashed ({cause!r}); the worker "
+                         "stopped claiming and stopped. Restart it (a process supervisor "
+                         "does); its jobs' leases lapse and are reclaimed")
+        self.service = service
+        self.cause = cause
+
+
 class JobNotFound(BelayError, LookupError):
     """No job has that id (it may have been pruned by retention)."""
 

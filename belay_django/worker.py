@@ -1,8 +1,9 @@
 """The worker ``manage.py belay_worker`` runs: a belay.Worker with Django hygiene.
 
 Job code runs on belay's executor threads. When it uses the ORM, Django opens
-a connection for that thread, as it would for a request; :class:`DjangoWorker`
-calls ``close_old_connections()`` before and after every job there (Django's
+a connection for that thread, as it would for a request; the
+:func:`connection_hygiene` middleware calls ``close_old_connections()``
+before and after every job there (Django's
 request_started / request_finished do the same for requests), so a job sees
 no stale connection and leaves none open past ``CONN_MAX_AGE``. belay's own
 work (claims, heartbeats, acks) never touches Django's connections: the
@@ -11,14 +12,14 @@ worker gets a client of its own, with its own pool.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from django.db import connections
 from django.utils.module_loading import autodiscover_modules
 
 from belay.client import Belay
-from belay.context import Execution
+from belay.context import Context
 from belay.errors import ConfigurationError
 from belay.runner import Worker
 from belay_django.conf import BelaySettings
@@ -33,22 +34,22 @@ def close_old_connections() -> None:
             connection.close_if_unusable_or_obsolete()
 
 
-class DjangoWorker(Worker):
-    """A :class:`belay.Worker` that keeps job code's Django connections clean."""
-
-    def execute(self, execution: Execution) -> str:
+def connection_hygiene(contexts: Sequence[Context], call: Callable[[], Any]) -> Any:
+    """Worker middleware: Django's connection hygiene around each run of a job."""
+    close_old_connections()
+    try:
+        return call()
+    finally:
         close_old_connections()
-        try:
-            return super().execute(execution)
-        finally:
-            close_old_connections()
 
-    def execute_chunk(self, executions: list[Execution]) -> dict[int, str]:
-        close_old_connections()
-        try:
-            return super().execute_chunk(executions)
-        finally:
-            close_old_connections()
+
+def django_worker(queues: Mapping[str, Any] | Iterable[str] = ("default",),
+                  **options: Any) -> Worker:
+    """A :class:`belay.Worker` (same arguments) that keeps job code's Django
+    connections clean (:func:`connection_hygiene`)."""
+    worker = Worker(queues, **options)
+    worker.middleware(connection_hygiene)
+    return worker
 
 
 def build(
@@ -58,7 +59,7 @@ def build(
     notify: bool | None = None,
     node_id: str | None = None,
     **overrides: float | None,
-) -> DjangoWorker:
+) -> Worker:
     """The worker ``belay_worker`` runs: ``settings.BELAY`` with the command
     line's values (those not None) over it.
 
@@ -78,8 +79,8 @@ def build(
                    **{**settings.connection_options, "notify": notify},
                    application_name="belay-worker")
     try:
-        return DjangoWorker(queues or settings.queues, client=client, crons=settings.crons,
-                            notify=notify, node_id=node_id, **options)
+        return django_worker(queues or settings.queues, client=client, crons=settings.crons,
+                             notify=notify, node_id=node_id, **options)
     except ConfigurationError:
         client.close()
         raise

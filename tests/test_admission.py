@@ -441,7 +441,7 @@ def test_pause_and_resume_through_the_client_reach_every_worker(client, registry
         job = client.enqueue("t.p")
         # Paused on both: the producers ask for nothing, and a drain claims nothing.
         for worker in workers:
-            assert worker._demand(worker._live["default"]) == 0
+            assert worker.producers.demand(worker.producers.live["default"]) == 0
         assert belay.Worker({"default": 1}, client=client, registry=registry).drain() == {}
         assert client.get_job(job.id).state == "ready"
         assert client.resume_queue("default") is True

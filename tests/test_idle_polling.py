@@ -12,7 +12,8 @@ from datetime import timedelta
 from typing import Any
 
 import belay
-from belay import runner, store
+from belay import store
+from belay.parts import producer
 from tests.helpers import Ends, wait_until
 from tests.test_worker import make_worker, running
 
@@ -45,14 +46,14 @@ class _Counts:
 
 
 def test_idle_queues_stop_claiming_and_the_poller_wakes_them(client, monkeypatch) -> None:
-    monkeypatch.setattr(runner, "IDLE_BACKSTOP", 10_000)  # only the poller wakes them
+    monkeypatch.setattr(producer, "IDLE_BACKSTOP", 10_000)  # only the poller wakes them
     counts = _Counts(monkeypatch)
     reg = belay.Registry()
     belay.worker(name="idle.kind", registry=reg)(lambda ctx: ctx.input["n"])
     worker = make_worker(client, reg, QUEUES, poll_interval=0.05, busy_poll=0.01)
     ends = Ends(worker)
     with running(worker):
-        wait_until(lambda: len(worker._idle) == len(QUEUES), "every queue idle")
+        wait_until(lambda: len(worker.producers.idle) == len(QUEUES), "every queue idle")
         claims, probes = counts.snapshot()
         time.sleep(0.5)  # ten poll intervals of an idle node
         claims_after, probes_after = counts.snapshot()
@@ -67,14 +68,14 @@ def test_idle_queues_stop_claiming_and_the_poller_wakes_them(client, monkeypatch
 
 
 def test_a_job_coming_due_wakes_an_idle_queue(client, clock, monkeypatch) -> None:
-    monkeypatch.setattr(runner, "IDLE_BACKSTOP", 10_000)  # only the poller wakes it
+    monkeypatch.setattr(producer, "IDLE_BACKSTOP", 10_000)  # only the poller wakes it
     reg = belay.Registry()
     belay.worker(name="due.kind", registry=reg)(lambda ctx: "due")
     worker = make_worker(client, reg, {"later": 1}, poll_interval=0.05, busy_poll=0.01)
     ends = Ends(worker)
     job = client.enqueue("due.kind", queue="later", delay=timedelta(minutes=5))
     with running(worker):
-        wait_until(lambda: len(worker._idle) == 1, "the queue idle")
+        wait_until(lambda: len(worker.producers.idle) == 1, "the queue idle")
         clock.advance(301)
         (event,) = ends.wait_for(1)
     assert (event.job.id, event.outcome) == (job.id, "succeeded")

@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import belay
-from belay import retention, runner, store
+from belay import retention, store
 from belay.retention import DEFAULT_RETENTION, DEFAULT_SIGNAL_TTL, parse_retention
 from tests.helpers import START, Conn, insert_job, running_job, wait_until
 
@@ -438,8 +438,9 @@ def test_the_sweeper_prunes_on_its_own_at_most_once_a_minute(client, sql_conn,
             return method()
         return counted
 
-    monkeypatch.setattr(worker, "_prune_pass", counting("prune", worker._prune_pass))
-    monkeypatch.setattr(worker, "reclaim", counting("reclaim", worker.reclaim))
+    parts = worker.maintenance
+    monkeypatch.setattr(parts, "prune_pass", counting("prune", parts.prune_pass))
+    monkeypatch.setattr(parts, "reclaim", counting("reclaim", parts.reclaim))
     old = finished(sql_conn, "succeeded", ago(DAY + 1))
     kept = finished(sql_conn, "succeeded", ago(60))
     worker.start()
@@ -458,20 +459,20 @@ def test_a_sweeper_behind_runs_the_next_pass_at_once_until_it_caught_up(
     """A pass that stops with expired jobs left does not wait a minute for the
     next: one pass a minute could not keep up with a busy deployment."""
     small_batches(3, 2)  # 6 jobs per state per pass
-    monkeypatch.setattr(runner, "PRUNE_PAUSE", 0.01)
+    monkeypatch.setattr(retention, "PRUNE_PAUSE", 0.01)
     worker = make_worker(client, sweep_interval=0.02, poll_interval=0.05, busy_poll=0.01)
     passes: list[bool] = []
-    real = worker._prune_pass
+    real = worker.maintenance.prune_pass
 
     def counted() -> retention.Pass:
         done = real()
         passes.append(done.behind)
         return done
 
-    monkeypatch.setattr(worker, "_prune_pass", counted)
+    monkeypatch.setattr(worker.maintenance, "prune_pass", counted)
     reclaims: list[int] = []
-    reclaim = worker.reclaim
-    monkeypatch.setattr(worker, "reclaim", lambda: reclaims.append(1) or reclaim())
+    reclaim = worker.maintenance.reclaim
+    monkeypatch.setattr(worker.maintenance, "reclaim", lambda: reclaims.append(1) or reclaim())
     old = {finished(sql_conn, "failed", ago(WEEK + 1 + i)) for i in range(20)}
     kept = finished(sql_conn, "failed", ago(60))
     worker.start()

@@ -63,7 +63,11 @@ from belay.outcome import (
     safe_delay,
     storable,
 )
+from belay.parts.completer import ack_on
+from belay.parts.execution import ACKED, ENDINGS, Execution
+from belay.parts.leases import Leases, timeout_outcome
 from belay.parts.maintenance import RECLAIM_LIMIT, reclaim_expired
+from belay.parts.service import Service
 from belay.queues import QueueSpec
 from belay.queues import merge as merge_queues
 
@@ -273,32 +277,20 @@ def timeout_of(job: Job) -> int | None:
 
 
 @dataclass
-class _Execution:
-    id: str
-    job: Job
-    claimed: float
-    timeout_ms: int | None
-    started: bool = False
-    #: Set once it ended here (lost lease, timed out, session gone): a completion is stale.
-    ended: str | None = None
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.job.id, self.job.attempt)
-
-
-@dataclass
 class _Session:
     key: str
     registration: Registration
     node_id: str
     last_seen: float
-    executions: dict[str, _Execution] = field(default_factory=dict)
+    #: Its claimed executions by execution id (an ended one until it is told so once).
+    executions: dict[str, Execution] = field(default_factory=dict)
+    #: Execution ids the worker reported ``started``.
+    started: set[str] = field(default_factory=set)
     closed: bool = False
     #: Claims waiting now: a session in a long-poll is alive, however long it waits.
     claiming: int = 0
 
-    def live(self) -> list[_Execution]:
+    def live(self) -> list[Execution]:
         return [e for e in self.executions.values() if e.ended is None]
 
 
@@ -312,6 +304,10 @@ class WorkerSessions:
     set, the heartbeat thread also runs the reclaim sweep (expired leases of any
     node → retry or fail) every so many seconds — for a server with no Python
     worker alongside it; None leaves reclaim to the workers' sweepers.
+
+    The leases are the Python worker's part (:class:`belay.parts.leases.Leases`),
+    each session a node of its own; acks are its fenced ack
+    (:func:`belay.parts.completer.ack_on`) and reclaim its maintenance.
     """
 
     def __init__(
@@ -340,30 +336,45 @@ class WorkerSessions:
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self._stopped = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.leases = Leases("http", self.lease_ttl, self._db, client.clock.now,
+                             on_timeout=self._timed_out, clock=clock)
+        self._service: Service | None = None
+        #: What killed the heartbeat, once it died: no more claims here.
+        self.crashed: BaseException | None = None
 
     # -- Lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the ``belay-http-heartbeat`` thread (register does it too); idempotent."""
+        """Start the ``belay-http-heartbeat`` service (register does it too); idempotent."""
         with self._lock:
-            if self._thread is not None or self._stopped.is_set():
+            if self._service is not None or self._stopped.is_set():
                 return
-            self._thread = threading.Thread(target=self._heartbeat,
-                                            name="belay-http-heartbeat", daemon=True)
-            self._thread.start()
+            self._service = Service("belay-http-heartbeat", self._heartbeat,
+                                    on_crash=self._crashed)
+            self.leases.service = self._service
+            self._service.start()
 
     def stop(self) -> None:
         """Stop the heartbeat and forget every session (their leases lapse); idempotent."""
         self._stopped.set()
-        self._wake.set()
         with self._lock:
-            thread, self._thread = self._thread, None
+            service, self._service = self._service, None
+            sessions = list(self._sessions.values())
             self._sessions.clear()
-        if thread is not None:
-            thread.join()
+        for session in sessions:
+            self._release(session)
+        if service is not None:
+            service.stop()
+            service.join()
 
+    def _crashed(self, service: Service, exc: BaseException) -> None:
+        """The heartbeat died: leases here are no longer renewed, so no more
+        claims, and what runs now is lost (its outcome will be discarded)."""
+        self.crashed = exc
+        lost = self.leases.lose_all()
+        log.critical("belay: the HTTP workers' heartbeat crashed; claims are refused from now "
+                     "on and executions %s are lost; restart the server",
+                     [e.job.id for e in lost])
 
     # -- Protocol ----------------------------------------------------------------------
 
@@ -375,8 +386,7 @@ class WorkerSessions:
         return self.register_parsed(reg)
 
     def register_parsed(self, reg: Registration) -> str:
-        if self._stopped.is_set():
-            raise Unavailable("the server is shutting down; register with another one")
+        self._refuse_if_down()
         token = secrets.token_urlsafe(32)
         node_id = f"http:{reg.runtime_id[:64]}/{uuid.uuid4().hex[:12]}"
         session = _Session(token_key(token), reg, node_id, self._clock())
@@ -387,6 +397,13 @@ class WorkerSessions:
                  "capacity %d)", node_id, reg.runtime_id, reg.queue, sorted(reg.tasks),
                  reg.capacity)
         return token
+
+    def _refuse_if_down(self) -> None:
+        if self._stopped.is_set():
+            raise Unavailable("the server is shutting down; register with another one")
+        if self.crashed is not None:
+            raise Unavailable("this server's lease heartbeat crashed and it takes no more "
+                              "work; use another server (an operator must restart this one)")
 
     def authenticate(self, token: str) -> None:
         """Raise :class:`Unauthorized` unless ``token`` is a live session's (no I/O)."""
@@ -408,6 +425,7 @@ class WorkerSessions:
                                  "from its own queue or register again")
         if not 0 <= wait <= MAX_WAIT:
             raise InvalidRequest(f"wait must be 0 to {MAX_WAIT:g} seconds, got {wait!r}")
+        self._refuse_if_down()
         with self._lock:
             session.claiming += 1
         try:
@@ -433,8 +451,8 @@ class WorkerSessions:
     def started(self, token: str, execution_id: str) -> None:
         session = self._session(token)
         with self._lock:
-            execution = self._execution(session, execution_id)
-            execution.started = True
+            self._execution(session, execution_id)
+            session.started.add(execution_id)
 
     def complete(self, token: str, execution_id: str, outcome: str, result: Any = None,
                  error: Any = None) -> dict[str, Any]:
@@ -457,15 +475,17 @@ class WorkerSessions:
             raise InvalidRequest(f'outcome must be "success" or "failure", got {outcome!r}')
         with self._lock:  # claim the right to ack: one completion per execution
             execution = self._execution(session, execution_id)
-            execution.ended = "completing"
+            if not execution.end(ACKED):
+                raise self._stale(session, execution_id, execution)
         try:
             acked = self._ack(job, decided)
         except BaseException:
-            with self._lock:
-                execution.ended = None
+            execution.reopen(ACKED)  # nothing written: the worker may report it again
             raise
         with self._lock:
             session.executions.pop(execution_id, None)
+            session.started.discard(execution_id)
+        self.leases.release(execution)
         if acked is None:
             raise StaleExecution(f"execution {execution_id} is stale: job {job.id} attempt "
                                  f"{job.attempt} was reclaimed or finished meanwhile; its "
@@ -480,6 +500,7 @@ class WorkerSessions:
             if session is None:
                 raise Unauthorized("unknown or expired worker token; register again")
             session.closed = True
+        self._release(session)
         log.info("belay: HTTP worker %s closed (%d execution(s) left to lease expiry)",
                  session.node_id, len(session.live()))
 
@@ -504,38 +525,59 @@ class WorkerSessions:
         key = token_key(token)  # a dict lookup by hash: no timing signal about the token
         with self._lock:
             session = self._sessions.get(key)
-            if session is None or self._expired(session):
-                if session is not None:
-                    self._drop(session, "expired")
-                raise Unauthorized("unknown or expired worker token; register again with "
-                                   "POST /workers")
-            if touch:
+            expired = session is not None and self._expired(session)
+            if session is not None and expired:
+                self._drop(session, "expired")
+            if touch and session is not None and not expired:
                 session.last_seen = self._clock()
-            return session
+        if session is None or expired:
+            if session is not None:
+                self._release(session)
+            raise Unauthorized("unknown or expired worker token; register again with "
+                               "POST /workers")
+        return session
 
     def _expired(self, session: _Session) -> bool:
         return (not session.claiming
                 and self._clock() - session.last_seen > self.session_ttl)
 
     def _drop(self, session: _Session, why: str) -> None:
-        """Forget a session (lock held): its leases are no longer renewed."""
+        """Forget a session (lock held): its leases are no longer renewed once
+        :meth:`_release` lets go of them."""
         self._sessions.pop(session.key, None)
         session.closed = True
         log.warning("belay: HTTP worker %s %s; %d in-flight execution(s) left to lease expiry "
                     "and reclaim", session.node_id, why, len(session.live()))
 
-    def _execution(self, session: _Session, execution_id: str) -> _Execution:
+    def _release(self, session: _Session) -> None:
+        """Stop renewing a gone session's leases (lock not held)."""
+        with self._lock:
+            executions = list(session.executions.values())
+        for execution in executions:
+            self.leases.release(execution)
+
+    def _execution(self, session: _Session, execution_id: str) -> Execution:
         """This session's live execution (lock held), else :class:`StaleExecution`."""
         execution = session.executions.get(execution_id)
         if execution is None:
             raise StaleExecution(f"execution {execution_id!r} is not in flight for this worker "
                                  "(already completed, never claimed by it, or reclaimed)")
         if execution.ended is not None:
-            if execution.ended != "completing":
-                del session.executions[execution_id]  # told once; then it is simply unknown
-            raise StaleExecution(f"execution {execution_id!r} is stale: it ended here "
-                                 f"({execution.ended}); its outcome is discarded")
+            raise self._stale(session, execution_id, execution)
         return execution
+
+    def _stale(self, session: _Session, execution_id: str, execution: Execution
+               ) -> StaleExecution:
+        """The error for an execution that ended here (lock held)."""
+        if execution.ended == ACKED:
+            return StaleExecution(f"execution {execution_id!r} is stale: another completion "
+                                  "of it is being recorded")
+        del session.executions[execution_id]  # told once; then it is simply unknown
+        session.started.discard(execution_id)
+        self.leases.release(execution)
+        why = ENDINGS.get(execution.ended or "", execution.ended)
+        return StaleExecution(f"execution {execution_id!r} is stale: it ended here "
+                              f"({why}); its outcome is discarded")
 
     def _db(self) -> contextlib.AbstractContextManager[store.Conn]:
         return _guarded(self.client)
@@ -545,6 +587,8 @@ class WorkerSessions:
         with self._lock:
             if session.closed or len(session.live()) >= reg.capacity:
                 return None
+        if self.crashed is not None:
+            return None
         now = self.client.clock.now()
         with self._db() as conn:
             if not store.queues_with_work(conn, [reg.queue], now):
@@ -555,17 +599,18 @@ class WorkerSessions:
             job = self._claim_one(conn, session, spec)
         if job is None:
             return None
-        execution = _Execution(f"{job.id}.{job.attempt}.{secrets.token_urlsafe(9)}", job,
-                               self._clock(), timeout_of(job))
+        timeout_ms = timeout_of(job)
+        execution = Execution(job, None, None if timeout_ms is None else timeout_ms / 1000,
+                              node=session.node_id, clock=self._clock)
+        execution_id = f"{job.id}.{job.attempt}.{secrets.token_urlsafe(9)}"
         with self._lock:
             if session.closed:  # dropped while claiming: the lease lapses, reclaim applies
                 return None
-            session.executions[execution.id] = execution
-        if execution.timeout_ms is not None:
-            self._wake.set()
-        return {"type": "execute", "execution_id": execution.id, "job_id": job.id,
+            session.executions[execution_id] = execution
+        self.leases.hold(execution)
+        return {"type": "execute", "execution_id": execution_id, "job_id": job.id,
                 "task": job.kind, "args": job.input, "attempt": job.attempt,
-                "max_attempts": job.max_attempts, "timeout_ms": execution.timeout_ms,
+                "max_attempts": job.max_attempts, "timeout_ms": timeout_ms,
                 "queue": job.queue, "lease_ttl_ms": int(self.lease_ttl * 1000)}
 
     def _claim_one(self, conn: store.Conn, session: _Session, spec: QueueSpec) -> Job | None:
@@ -577,7 +622,7 @@ class WorkerSessions:
                 store.lock_for_claim(conn, spec)
             # "now" after the queue's lock (store.lock_for_claim says why).
             now = self.client.clock.now()
-            lease_until = now + timedelta(seconds=self.lease_ttl)
+            lease_until = self.leases.lease_until(now)
             if spec.admitted:
                 jobs = store.claim_admitted(conn, spec, 1, session.node_id, now, lease_until,
                                             kinds=kinds, locked=True)
@@ -598,84 +643,47 @@ class WorkerSessions:
         return job
 
     def _ack(self, job: Job, outcome: Outcome) -> store.Acked | None:
-        with self._db() as conn, conn.transaction():
-            acked = store.ack(conn, job, outcome.kind, self.client.clock.now(),
-                              result=outcome.result, error=outcome.error, at=outcome.at)
-            if acked is not None:
-                self._poke(conn, acked)
-        return acked
+        with self._db() as conn:
+            return ack_on(conn, job, outcome, self.client.clock.now(), self._poke)
 
     def _poke(self, conn: store.Conn, acked: store.Acked) -> None:
         results = [acked.job.id] if acked.job.terminal else []
         self.client.poke(conn, {q for _, q in acked.settled.ready},
                           results + acked.settled.cancelled)
 
-    # -- The heartbeat thread ------------------------------------------------------------
+    def _timed_out(self, execution: Execution) -> None:
+        job = execution.job
+        self._ack(job, timeout_outcome(execution, self.client.clock.now(), job_backoff(job)))
 
-    def _heartbeat(self) -> None:
-        period = self.lease_ttl / 3
-        next_renew = time.monotonic() + period
+    # -- The heartbeat service -----------------------------------------------------------
+
+    def _heartbeat(self, service: Service) -> None:
         next_reclaim = time.monotonic() + (self.reclaim_interval or 0.0)
-        while not self._stopped.is_set():
+        wait = 0.0
+        while not service.wait(wait):
+            wait = min(self.leases.period, 0.5, self.session_ttl / 4)
             try:
                 self._expire()
-                self._enforce_timeouts()
-                if time.monotonic() >= next_renew:
-                    self._renew()
-                    next_renew = time.monotonic() + period
+                wait = min(wait, self.leases.beat())
                 if self.reclaim_interval is not None and time.monotonic() >= next_reclaim:
                     self.reclaim()
                     next_reclaim = time.monotonic() + self.reclaim_interval
             except Exception:
                 log.exception("belay: HTTP worker heartbeat failed; retrying")
-            self._wake.wait(min(period, 0.5, self.session_ttl / 4))
-            self._wake.clear()
 
     def tick(self) -> None:
         """One heartbeat pass now (expiry, timeouts, renewal): for tests and shutdown."""
         self._expire()
-        self._enforce_timeouts()
-        self._renew()
+        self.leases.enforce_timeouts()
+        self.leases.renew()
 
     def _expire(self) -> None:
         with self._lock:
-            for session in [s for s in self._sessions.values() if self._expired(s)]:
+            gone = [s for s in self._sessions.values() if self._expired(s)]
+            for session in gone:
                 self._drop(session, f"sent no claim for {self.session_ttl:g}s and expired")
-
-    def _renew(self) -> None:
-        with self._lock:
-            live = [(s, e) for s in self._sessions.values() for e in s.live()]
-        if not live:
-            return
-        until = self.client.clock.now() + timedelta(seconds=self.lease_ttl)
-        by_node: dict[str, list[_Execution]] = {}
-        for session, execution in live:
-            by_node.setdefault(session.node_id, []).append(execution)
-        with self._db() as conn:
-            for node, executions in by_node.items():
-                held = store.renew_leases(conn, [e.key for e in executions], node, until)
-                with self._lock:
-                    for execution in executions:
-                        if execution.key not in held and execution.ended is None:
-                            execution.ended = "lost its lease"
-                            log.warning("belay: HTTP execution of job %d attempt %d lost its "
-                                        "lease; its outcome will be discarded",
-                                        execution.job.id, execution.job.attempt)
-
-    def _enforce_timeouts(self) -> None:
-        now = self._clock()
-        with self._lock:
-            due = [e for s in self._sessions.values() for e in s.live()
-                   if e.timeout_ms is not None and now - e.claimed >= e.timeout_ms / 1000]
-            for execution in due:
-                execution.ended = "timed out"
-        for execution in due:
-            job = execution.job
-            error = {"error": f"timeout: ran longer than {execution.timeout_ms} ms",
-                     "attempt": job.attempt}
-            outcome = retry_or_fail(error, job.attempt, job.max_attempts,
-                                    self.client.clock.now(), job_backoff(job))
-            self._ack(job, outcome)
+        for session in gone:
+            self._release(session)
 
 
 def _spec(conn: store.Conn, queue: str) -> QueueSpec:

@@ -31,7 +31,7 @@ from belay_django.tasks import (  # noqa: E402
     task_finished,
     task_started,
 )
-from belay_django.worker import DjangoWorker  # noqa: E402
+from belay_django.worker import django_worker  # noqa: E402
 
 TASKS = {"default": {"BACKEND": "belay_django.tasks.BelayBackend",
                      "QUEUES": ["default", "mailers"], "OPTIONS": {"max_attempts": 1}}}
@@ -49,7 +49,7 @@ def run_jobs(dj):
     client = belay.Belay(dj)
 
     def run() -> dict[str, int]:
-        return DjangoWorker({"default": 2, "mailers": 2}, client=client).drain()
+        return django_worker({"default": 2, "mailers": 2}, client=client).drain()
 
     yield run
     client.close()
@@ -130,7 +130,7 @@ def test_priority_maps_to_belays_order(dj, sql, run_jobs):
     assert sql.execute("SELECT priority FROM belay_jobs ORDER BY id").fetchall() == [(20,), (-50,)]
     client = belay.Belay(dj)
     try:
-        DjangoWorker({"mailers": 1}, client=client).drain(max_jobs=1)
+        django_worker({"mailers": 1}, client=client).drain(max_jobs=1)
     finally:
         client.close()
     assert urgent.get_result(high.id).status == TaskResultStatus.SUCCESSFUL

@@ -17,7 +17,7 @@ from django.db import connections, transaction
 from testapp.models import Note
 
 import belay
-from belay_django.worker import DjangoWorker, discover
+from belay_django.worker import discover, django_worker
 from tests.django.conftest import PROJECT
 from tests.helpers import wait_until
 
@@ -81,7 +81,7 @@ def test_job_code_leaves_no_django_connection_open(dj):
     """Jobs use the ORM on the executor threads; with CONN_MAX_AGE = 0 each
     job's connection is closed when it ends, as a request's would be."""
     discover()
-    worker = DjangoWorker({"default": 3}, client=belay.Belay(dj), notify=True,
+    worker = django_worker({"default": 3}, client=belay.Belay(dj), notify=True,
                           poll_interval=0.05, busy_poll=0.01)
     with worker:
         jobs = [belay.enqueue("testapp.jobs.write_note", {"text": str(n)}) for n in range(9)]
@@ -102,7 +102,7 @@ def test_draining_inside_a_callers_atomic_block_keeps_its_transaction(dj):
         belay.enqueue("testapp.jobs.write_note", {"text": "queued"})
         with transaction.atomic():
             Note.objects.create(text="mine")
-            assert DjangoWorker({"default": 1}, client=client).drain() == {"succeeded": 1}
+            assert django_worker({"default": 1}, client=client).drain() == {"succeeded": 1}
             assert Note.objects.filter(text="mine").exists()  # still our transaction
     finally:
         client.close()

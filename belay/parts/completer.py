@@ -1,0 +1,233 @@
+"""The completer: every outcome written as one fenced ack (§7).
+
+:func:`ack_on` is the one ack both kinds of worker write: ``store.ack`` on the
+claimed attempt, and in the same transaction the NOTIFYs it calls for. A
+stale attempt (reclaimed meanwhile) writes nothing.
+
+:class:`Completer` is the Python worker's: inline acks retried when the
+database blinks, parks (§7 park-and-wake), and the batched acker
+(deliberate difference 2) — successes that settle nothing wait in a queue,
+and ``belay-acker`` acks every one waiting in one statement, each row fenced
+on its own attempt. No timer: a lone success is acked at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as queue_module
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import psycopg
+
+from belay import store
+from belay.job import Job
+from belay.outcome import Outcome
+from belay.parts.execution import Execution
+from belay.parts.pool import WorkerPool
+from belay.parts.service import Service
+
+log = logging.getLogger("belay.worker")
+
+T = TypeVar("T")
+
+#: The most successes one batched ack statement carries.
+ACK_BATCH = 1000
+
+#: Tries of one ack while the database blinks, before the lease is left to lapse.
+ACK_TRIES = 3
+
+Announce = Callable[[psycopg.Connection[Any], store.Acked], None]
+
+
+def ack_on(conn: psycopg.Connection[Any], job: Job, outcome: Outcome, now: datetime,
+           announce: Announce) -> store.Acked | None:
+    """Write ``outcome`` for ``job``'s claimed attempt in a transaction of its
+    own, ``announce`` inside it; None when stale (nothing written)."""
+    with conn.transaction():
+        acked = store.ack(conn, job, outcome.kind, now, result=outcome.result,
+                          error=outcome.error, at=outcome.at)
+        if acked is not None:
+            announce(conn, acked)
+    return acked
+
+
+@dataclass(frozen=True)
+class PendingAck:
+    """A success handed to the acker: acked, then reported, then forgotten."""
+
+    execution: Execution
+    result: bytes | None
+    duration: float
+
+
+class Completer:
+    """The Python worker's acks, on its pool.
+
+    ``notify``: announce acks with NOTIFY on ``channel`` (§9.2).
+    ``on_batched(pending, outcome)``: a batched success was acked (or found
+    stale); ``on_batch_failed(batch, exc)``: writing a batch failed.
+    """
+
+    def __init__(
+        self,
+        pools: WorkerPool,
+        now: Callable[[], datetime],
+        *,
+        notify: bool,
+        on_batched: Callable[[PendingAck, str], None],
+        on_batch_failed: Callable[[list[PendingAck], BaseException], None],
+        on_crash: Callable[[Service, BaseException], None] | None = None,
+    ) -> None:
+        self._now = now
+        self.notify = notify
+        self._pools = pools
+        self._on_batched = on_batched
+        self._on_batch_failed = on_batch_failed
+        self._on_crash = on_crash
+        self._lock = threading.Lock()
+        self._acks: queue_module.SimpleQueue[PendingAck | None] = queue_module.SimpleQueue()
+        self._acker: Service | None = None
+        #: Paces retries of an ack; set once the worker halts.
+        self._halted = threading.Event()
+
+    # -- Inline acks -------------------------------------------------------------------
+
+    def announce(self, conn: psycopg.Connection[Any], acked: store.Acked) -> None:
+        """Inside the ack's transaction: poke the queues it made work for, and
+        announce the results it finished (§9.2). Only with ``notify``: a
+        NOTIFY serializes commits, so it is opt-in, like the LISTEN side."""
+        if not self.notify:
+            return
+        results = [acked.job.id] if acked.job.terminal else []
+        results += acked.settled.cancelled
+        store.notify(conn, self._pools.channel,
+                     [store.poke_payload(q) for q in {q for _, q in acked.settled.ready}]
+                     + [store.result_payload(i) for i in results])
+
+    def poke(self, conn: psycopg.Connection[Any], queues: Iterable[str]) -> None:
+        """Inside ``conn``'s transaction: wake the workers of ``queues`` (with ``notify``)."""
+        if self.notify:
+            store.notify(conn, self._pools.channel, [store.poke_payload(q) for q in queues])
+
+    def ack(self, job: Job, outcome: Outcome) -> bool:
+        """One fenced ack in its own transaction; False when stale (discarded)
+        or when the database stayed away."""
+        if self._pools.pool is None:
+            log.warning("belay: job %d attempt %d finished after its worker stopped; its "
+                        "lease will lapse and it will be reclaimed", job.id, job.attempt)
+            return False
+        done, acked = self.write(
+            f"ack of job {job.id}",
+            lambda conn: ack_on(conn, job, outcome, self._now(), self.announce))
+        if done and acked is None:
+            log.warning("belay: stale ack for job %d attempt %d discarded (the job was "
+                        "reclaimed)", job.id, job.attempt)
+        return acked is not None
+
+    def write(self, what: str, write: Callable[[psycopg.Connection[Any]], T]
+              ) -> tuple[bool, T | None]:
+        """Run an ack on a pooled connection, ``ACK_TRIES`` tries when the
+        database blinks; (False, None) once it stays away — the leases then
+        lapse and the jobs are reclaimed (at-least-once)."""
+        pool = self._pools.pool
+        assert pool is not None
+        for attempt in range(ACK_TRIES):
+            try:
+                with pool.connection() as conn:
+                    return True, write(conn)
+            except psycopg.OperationalError:
+                log.warning("belay: %s failed (try %d)", what, attempt + 1, exc_info=True)
+                self._halted.wait(0.2 * (attempt + 1))
+        return False, None
+
+    def park(self, job: Job, scope: str, name: str, deadline: datetime | None) -> str:
+        """§7 park-and-wake: "await", "woken" when the signal was already there,
+        or "stale"."""
+        pool = self._pools.pool
+        if pool is None:
+            return "stale"
+        with pool.connection() as conn, conn.transaction():
+            parked = store.park_await(conn, job.id, job.attempt, scope, name, deadline,
+                                      self._now())
+            if parked == "ready" and self.notify:
+                store.notify(conn, self._pools.channel, [store.poke_payload(job.queue)])
+        if parked is None:
+            log.warning("belay: stale park of job %d attempt %d discarded", job.id, job.attempt)
+            return "stale"
+        return "await" if parked == "awaiting" else "woken"
+
+    # -- Batched acks (deliberate difference 2) -----------------------------------------
+
+    def start(self) -> None:
+        self._halted.clear()
+        self._acks = queue_module.SimpleQueue()
+        self._acker = Service("belay-acker", self._loop, on_crash=self._on_crash).start()
+
+    def defer(self, pending: PendingAck) -> bool:
+        """Hand a success to the acker; False (ack it yourself) once it is stopping."""
+        with self._lock:
+            if self._acker is None:
+                return False
+            pending.execution.ack_pending = True
+            self._acks.put(pending)
+        return True
+
+    def stop(self) -> None:
+        """Ack what is pending, then stop the acker (before the pool closes)."""
+        with self._lock:
+            acker, self._acker = self._acker, None
+        if acker is not None:
+            acker.stop()
+            self._acks.put(None)
+            acker.join()
+
+    def halt(self) -> None:
+        """The worker is going: a retry of an ack waits no more."""
+        self._halted.set()
+
+    def _loop(self, service: Service) -> None:
+        """Take every success waiting — one, or as many as piled up while the
+        last batch was in flight — and ack them in one statement."""
+        while True:
+            item = self._acks.get()
+            batch: list[PendingAck] = []
+            stopping = item is None
+            if item is not None:
+                batch.append(item)
+            while not stopping and len(batch) < ACK_BATCH:
+                try:
+                    item = self._acks.get_nowait()
+                except queue_module.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                else:
+                    batch.append(item)
+            if batch:
+                try:
+                    self._ack_batch(batch)
+                except BaseException as exc:
+                    log.exception("belay: batched ack of jobs %s failed; their leases will "
+                                  "lapse and they will be reclaimed",
+                                  [p.execution.job.id for p in batch])
+                    self._on_batch_failed(batch, exc)
+            if stopping:
+                return
+
+    def _ack_batch(self, batch: list[PendingAck]) -> None:
+        rows = [(p.execution.job, p.result) for p in batch]
+        channel = self._pools.channel if self.notify else None
+        done, acked = self.write(
+            f"batched ack of {len(batch)} jobs",
+            lambda conn: store.ack_succeeded_many(conn, rows, self._now(), channel))
+        for pending in batch:
+            job = pending.execution.job
+            kind = "succeeded" if acked is not None and job.id in acked else "stale"
+            if done and kind == "stale":
+                log.warning("belay: stale ack for job %d attempt %d discarded (the job was "
+                            "reclaimed)", job.id, job.attempt)
+            self._on_batched(pending, kind)

@@ -1,0 +1,341 @@
+"""Producers: claiming work for the queues this node serves (§6, §9.1).
+
+One :class:`Producer` per queue, each a ``belay-producer-<queue>`` service:
+it claims up to the queue's free slots, polls adaptively (``busy_poll``
+while claims return work, doubling to ``poll_interval``) and is woken early
+by a freed slot or a poke; once a claim at ``poll_interval`` finds nothing,
+the queue is idle and waits for ``belay-poller``, which asks in one read per
+interval which idle queues have work (coalesced: an idle node costs one
+query per interval, not one claim per queue).
+
+Queues with a global limit, a rate or a partition claim through admission
+(:func:`belay.store.claim_admitted`); chunk workers' jobs gather in a
+per-queue buffer until their chunk fills or its gather time is up.
+
+:class:`Producers` holds the set, with one lock for every queue's slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from belay import store
+from belay.job import Job
+from belay.parts.execution import Execution
+from belay.parts.executor import Work
+from belay.parts.service import Service
+from belay.queues import QueueSpec, adapt_limit
+from belay.registry import Chunk, Registry
+
+log = logging.getLogger("belay.worker")
+
+#: Seconds a queue keeps polling at ``busy_poll`` after a claim found work.
+HOT_WINDOW = 0.25
+
+#: An idle producer's own look, in poll intervals, should the poller not wake it.
+IDLE_BACKSTOP = 20
+
+Connect = Callable[[], contextlib.AbstractContextManager[store.Conn]]
+
+
+def claim_jobs(conn: store.Conn, spec: QueueSpec, demand: int, node_id: str,
+               now: Callable[[], datetime], lease_ttl: float) -> list[Job]:
+    """Claim up to ``demand`` jobs of ``spec``'s queue under leases for ``node_id``."""
+    if not spec.admitted:
+        at = now()
+        return store.claim(conn, spec.name, demand, node_id, at,
+                           at + timedelta(seconds=lease_ttl))
+    with conn.transaction():
+        store.lock_for_claim(conn, spec)
+        at = now()  # after the lock (store.lock_for_claim says why)
+        return store.claim_admitted(conn, spec, demand, node_id, at,
+                                    at + timedelta(seconds=lease_ttl), locked=True)
+
+
+class Producer:
+    """One queue's producer on this node: its options, slots and service."""
+
+    def __init__(self, spec: QueueSpec, producers: Producers) -> None:
+        self.spec = spec
+        self._set = producers
+        #: The local limit now: fixed, or adaptive between the spec's min and max.
+        self.limit = spec.limit_min if spec.limit_min is not None else spec.limit
+        #: Slots taken: running jobs plus chunk jobs waiting in a buffer.
+        self.inflight = 0
+        #: Set when the queue left the configuration: the producer exits.
+        self.retired = False
+        #: Chunk workers' claimed jobs by kind, and when each buffer must go.
+        self.buffers: dict[str, list[Execution]] = {}
+        self.gather_until: dict[str, float] = {}
+        self.service = Service(f"belay-producer-{spec.name}", self.run,
+                               on_crash=producers.on_crash)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def wake(self) -> None:
+        self.service.wake()
+
+    def reconfigure(self, spec: QueueSpec) -> None:
+        self.spec = spec
+        low = spec.limit_min if spec.limit_min is not None else spec.limit
+        self.limit = max(low, min(spec.limit, self.limit))
+
+    def run(self, service: Service) -> None:
+        """The producer's loop."""
+        p = self._set
+        interval = p.busy_poll
+        last_hit = 0.0
+        while not service.stopping and not self.retired:
+            claimed = demand = 0
+            try:
+                demand = p.demand(self)
+                if demand > 0:
+                    claimed = self.claim(demand)
+                    self.adapt(claimed, demand)
+                self.flush()
+            except Exception:
+                log.exception("belay: claiming from %r failed; retrying", self.name)
+                interval = p.poll_interval
+            # Hot while claims find work and for HOT_WINDOW after (jobs that
+            # trickle in keep being picked up at busy_poll), then decaying to
+            # the idle ceiling (§9.1); a claim at the ceiling that finds nothing
+            # leaves the queue to the poller (with a long backstop, should the
+            # poller be stuck).
+            idle = demand > 0 and not claimed and interval >= p.poll_interval
+            if claimed:
+                last_hit = time.monotonic()
+            hot = time.monotonic() - last_hit < HOT_WINDOW
+            interval = p.busy_poll if hot else min(interval * 2, p.poll_interval)
+            wait = interval * IDLE_BACKSTOP if idle else interval
+            with p.lock:
+                if self.gather_until:
+                    wait = min(wait, max(0.0, min(self.gather_until.values()) - time.monotonic()))
+                if idle:
+                    p.idle.add(self)
+            service.wait(wait)
+            if idle:
+                with p.lock:
+                    p.idle.discard(self)
+        # Leaving (stop, or the queue left the configuration): chunks still
+        # gathering hold claimed jobs under renewed leases; they run now.
+        self.flush(everything=True)
+
+    def claim(self, demand: int) -> int:
+        p = self._set
+        with p.connection() as conn:
+            jobs = claim_jobs(conn, self.spec, demand, p.node_id, p.now, p.lease_ttl)
+        for job in jobs:
+            definition = p.registry.get(job.kind)
+            if definition is None:
+                p.return_unknown(job)
+                continue
+            # A chunk job's timeout starts when its chunk does, not while it gathers.
+            timeout = None if definition.chunk is not None else definition.timeout
+            execution = Execution(job, definition, timeout)
+            execution.owner = self
+            p.hold(execution)
+            with p.lock:
+                self.inflight += 1
+                if definition.chunk is not None:
+                    self._buffer(execution, definition.chunk)
+                    continue
+            p.submit(execution)
+        return len(jobs)
+
+    def adapt(self, claimed: int, demand: int) -> None:
+        spec = self.spec
+        if spec.limit_min is None:
+            return
+        with self._set.lock:
+            before = self.limit
+            self.limit = adapt_limit(before, spec.limit_min, spec.limit, claimed=claimed,
+                                     demand=demand, busy=self.inflight)
+        if self.limit != before:
+            log.debug("belay: queue %r limit %d → %d", self.name, before, self.limit)
+
+    def _buffer(self, execution: Execution, chunk: Chunk) -> None:
+        """Hold a chunk worker's job until its chunk fills or its gather time is up
+        (lock held). Never longer than half the lease: the lease is renewed
+        meanwhile, but a gather must not be what makes it lapse."""
+        kind = execution.job.kind
+        buffered = self.buffers.setdefault(kind, [])
+        buffered.append(execution)
+        gather = min(chunk.gather_ms / 1000.0, self._set.lease_ttl / 2)
+        if kind not in self.gather_until:
+            self.gather_until[kind] = time.monotonic() + gather
+        if len(buffered) >= chunk.size:
+            while len(buffered) >= chunk.size:
+                self._set.submit(buffered[:chunk.size])
+                del buffered[:chunk.size]
+            # What is left starts a gather of its own.
+            self.gather_until[kind] = time.monotonic() + gather
+        if not buffered:
+            del self.buffers[kind]
+            del self.gather_until[kind]
+
+    def flush(self, *, everything: bool = False) -> None:
+        """Hand over the buffers whose gather time is up (all of them on stop)."""
+        now = time.monotonic()
+        with self._set.lock:
+            for kind in [k for k, until in self.gather_until.items()
+                         if everything or until <= now]:
+                self._set.submit(self.buffers.pop(kind))
+                del self.gather_until[kind]
+
+
+class Producers:
+    """The queues this node serves now, their producers and the idle poller."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        node_id: str,
+        lease_ttl: float,
+        poll_interval: float,
+        busy_poll: float,
+        connection: Connect,
+        now: Callable[[], datetime],
+        hold: Callable[[Execution], None],
+        submit: Callable[[Work], None],
+        return_unknown: Callable[[Job], None],
+        on_crash: Callable[[Service, BaseException], None],
+    ) -> None:
+        self.registry = registry
+        self.node_id = node_id
+        self.lease_ttl = lease_ttl
+        self.poll_interval = poll_interval
+        self.busy_poll = busy_poll
+        self.connection = connection
+        self.now = now
+        self.hold = hold
+        self.submit = submit
+        self.return_unknown = return_unknown
+        self.on_crash = on_crash
+        self.lock = threading.Lock()
+        self.live: dict[str, Producer] = {}
+        #: Idle queues, whose producers wait for the poller (or a poke) to wake them.
+        self.idle: set[Producer] = set()
+        #: Queues paused on this node only (``Worker.pause_queue``).
+        self.paused_here: set[str] = set()
+        self._closed = False
+        self.poller = Service("belay-poller", self.poll_idle, on_crash=on_crash)
+
+    def demand(self, q: Producer) -> int:
+        with self.lock:
+            if q.spec.paused or q.name in self.paused_here:
+                return 0
+            return q.limit - q.inflight
+
+    def apply(self, specs: Mapping[str, QueueSpec]) -> list[Producer] | None:
+        """Start producers for new queues, retire removed ones, reconfigure the
+        rest; returns every producer now live (None once stopping)."""
+        started: list[Producer] = []
+        with self.lock:
+            if self._closed:
+                return None
+            for name, spec in specs.items():
+                current = self.live.get(name)
+                if current is None:
+                    current = self.live[name] = Producer(spec, self)
+                    started.append(current)
+                elif current.spec != spec:
+                    log.info("belay: queue %r now %s", name, spec.to_opts())
+                    current.reconfigure(spec)
+                    current.wake()
+            for name in [n for n in self.live if n not in specs]:
+                gone = self.live.pop(name)
+                gone.retired = True
+                gone.service.stop()
+                log.info("belay: queue %r removed; its running jobs finish", name)
+            live = list(self.live.values())
+        for q in started:
+            q.service.start()
+        return live
+
+    def get(self, queue: str) -> Producer | None:
+        with self.lock:
+            return self.live.get(queue)
+
+    def specs(self) -> dict[str, QueueSpec]:
+        with self.lock:
+            return {name: q.spec for name, q in self.live.items()}
+
+    def wake(self, queue: str) -> None:
+        found = self.get(queue)
+        if found is not None:
+            found.wake()
+
+    def free(self, execution: Execution) -> None:
+        """The execution's slot is free again: its producer may claim."""
+        owner: Producer | None = execution.owner
+        if owner is None:
+            return
+        with self.lock:
+            owner.inflight -= 1
+        owner.wake()
+
+    def poll_idle(self, service: Service) -> None:
+        """One read per ``poll_interval`` for every idle queue; wakes the
+        producers of those with work. A failed read wakes them all, so they
+        claim (and log) on their own until the database answers again."""
+        while not service.wait(self.poll_interval):
+            with self.lock:
+                idle = {q.name: q for q in self.idle if not q.retired}
+            if not idle:
+                continue
+            try:
+                with self.connection() as conn:
+                    busy = store.queues_with_work(conn, sorted(idle), self.now())
+            except Exception:
+                log.warning("belay: polling idle queues failed", exc_info=True)
+                busy = set(idle)
+            for name in busy:
+                idle[name].wake()
+
+    def on_notify(self, message: dict[str, Any]) -> None:
+        if message.get("t") == "p" and isinstance(message.get("q"), str):
+            self.wake(message["q"])
+
+    def halt(self) -> None:
+        """Stop claiming now, without waiting for a claim under way."""
+        with self.lock:
+            self._closed = True
+            queues = list(self.live.values())
+        for q in queues:
+            q.service.stop()
+
+    def open(self) -> None:
+        with self.lock:
+            self._closed = False
+        self.poller = Service("belay-poller", self.poll_idle, on_crash=self.on_crash).start()
+
+    def stop_claiming(self, grace: float) -> list[Producer]:
+        """Stop every producer: a claim under way finishes and hands its jobs
+        over, and chunks still gathering run now. Returns the producers."""
+        with self.lock:
+            self._closed = True
+            queues = list(self.live.values())
+        for q in queues:
+            q.service.stop()
+        self.poller.stop()
+        for q in queues:
+            q.service.join(max(grace, 5.0))
+        # Claimed chunk jobs still gathering hold leases: they run now.
+        for q in queues:
+            q.flush(everything=True)
+        return queues
+
+    def close(self, timeout: float) -> None:
+        self.poller.join(timeout)
+        with self.lock:
+            self.live.clear()
+            self.idle.clear()
