@@ -157,6 +157,20 @@ class Context:
         # Per thread: a job may run steps from several threads at once, but a
         # step's function may not start another step.
         self._local = threading.local()
+        #: The run's journal of steps (what ``step`` and the integrations use).
+        self.journal = Journal(self)
+
+    @property
+    def rate(self) -> Rate | None:
+        """The rate admission of the job's queue (docs/queues.md), if it has one."""
+        return self._rate
+
+    @property
+    def control(self) -> BaseException | None:
+        """belay's control flow this run raised (a park on a signal, a durable
+        sleep, a budget crossed, a cancel, a lost lease), once it did: code
+        that catches exceptions around job code lets this one through."""
+        return self._execution.control
 
     @property
     def _in_step(self) -> bool:
@@ -255,7 +269,7 @@ class Context:
         if self._in_step or _ASYNC_STEP.get() is self:
             raise self._nested(name)
         units = None if callable(cost) else cost_units(cost)
-        hit, value = await asyncio.to_thread(self._step_lookup, name)
+        hit, value = await asyncio.to_thread(self.journal.lookup, name)
         if hit:
             return value
         token = _ASYNC_STEP.set(self)
@@ -263,7 +277,7 @@ class Context:
             value = await fn()
         finally:
             _ASYNC_STEP.reset(token)
-        return await asyncio.to_thread(self._step_record, name, value, cost, units)
+        return await asyncio.to_thread(self.journal.record, name, value, cost, units)
 
     def _nested(self, name: str) -> ValidationError:
         return ValidationError(
@@ -275,7 +289,7 @@ class Context:
         if self._in_step or _ASYNC_STEP.get() is self:
             raise self._nested(name)
         units = None if callable(cost) else cost_units(cost)
-        hit, value = self._step_lookup(name)
+        hit, value = self.journal.lookup(name)
         if hit:
             return value
         self._in_step = True
@@ -283,52 +297,7 @@ class Context:
             value = fn()
         finally:
             self._in_step = False
-        return self._step_record(name, value, cost, units)
-
-    def _step_lookup(self, name: str) -> tuple[bool, Any]:
-        """The journaled value of step ``name`` as ``(True, value)``; else
-        ``(False, None)`` once the pre-flight checks allow running it."""
-        self.checkpoint()
-        with self.client.connection() as conn:
-            found = store.step_lookup(conn, self.id, name)
-        if found is not None and found["hit"]:
-            return True, decode_value(found["value"])
-        if found is not None:
-            self._preflight(found, name)
-        return False, None
-
-    def _step_record(
-        self, name: str, value: T, cost: CostSpec[T], units: tuple[int, int] | None
-    ) -> T | Any:
-        """Journal ``value`` under ``name`` with its cost; returns the value that stands."""
-        if units is None:
-            units = self._priced(name, value, cost) if callable(cost) else cost_units(cost)
-        usd_micros, tokens = units
-        try:
-            envelope = encode_value(value, what=f"the value of step {name!r}")
-        except ValidationError as exc:
-            raise self._control(StepValueRefused(str(exc))) from None
-        except Exception as exc:  # the value's own code raised (a dict subclass's items() …)
-            raise self._control(StepValueRefused(
-                f"the value of step {name!r} could not be serialized: {describe(exc)}"
-            )) from None
-        if len(envelope) > MAX_STEP_VALUE:
-            raise self._control(StepValueRefused(
-                f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
-                f"{MAX_STEP_VALUE} (1 MiB): store large data elsewhere and journal a reference"
-            ))
-        job_id = self.id
-        # One statement (journal + spend): no transaction block needed around it.
-        with self.client.connection() as conn:
-            spend = store.put_step(conn, job_id, name, envelope, usd_micros, tokens,
-                                   self.client.clock.now())
-            if spend is not None and not spend["journaled"]:
-                # Another run of this job journaled it first: its value stands (§11.3).
-                _, journaled = store.get_step(conn, job_id, name)
-                value = decode_value(journaled)
-        if spend is not None:
-            self._check_budget(spend, name)
-        return value
+        return self.journal.record(name, value, cost, units)
 
     def _priced(self, name: str, value: T, cost: CostSpec[T]) -> tuple[int, int]:
         """Run a step's cost function. It failing is a bug that a retry would pay
@@ -590,6 +559,71 @@ class Context:
 
 
 #: ``budget=SHARE`` for children: an even share of what the parent has left.
+class Journal:
+    """The journal of one run (§8.2): look up and record its steps.
+
+    ``ctx.step`` is built on it; so are the agent integrations, which journal
+    model and tool calls under keys of their own, nested inside one another
+    (``ctx.step`` refuses nesting; the journal does not). A replay's context
+    answers from the record instead (:mod:`belay.replay`).
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+
+    def lookup(self, name: str) -> tuple[bool, Any]:
+        """The journaled value of step ``name`` as ``(True, value)``; else
+        ``(False, None)`` once the pre-flight checks allow running it (the
+        run still owns its job, the budget is not spent). Raises
+        :class:`Interrupted`, :class:`CancelRequested` or
+        :class:`BudgetExceeded` as ``ctx.step`` would."""
+        ctx = self._ctx
+        ctx.checkpoint()
+        with ctx.client.connection() as conn:
+            found = store.step_lookup(conn, ctx.id, name)
+        if found is not None and found["hit"]:
+            return True, decode_value(found["value"])
+        if found is not None:
+            ctx._preflight(found, name)
+        return False, None
+
+    def record(self, name: str, value: T, cost: CostSpec[T] = None,
+               units: tuple[int, int] | None = None) -> T | Any:
+        """Journal ``value`` under ``name`` with its cost (a :class:`Cost`, a
+        mapping, or a function of the value, as ``ctx.step`` takes), charged
+        to the budget; returns the value that stands — another run's, if it
+        journaled the step first (§11.3)."""
+        ctx = self._ctx
+        if units is None:
+            units = ctx._priced(name, value, cost) if callable(cost) else cost_units(cost)
+        usd_micros, tokens = units
+        try:
+            envelope = encode_value(value, what=f"the value of step {name!r}")
+        except ValidationError as exc:
+            raise ctx._control(StepValueRefused(str(exc))) from None
+        except Exception as exc:  # the value's own code raised (a dict subclass's items() …)
+            raise ctx._control(StepValueRefused(
+                f"the value of step {name!r} could not be serialized: {describe(exc)}"
+            )) from None
+        if len(envelope) > MAX_STEP_VALUE:
+            raise ctx._control(StepValueRefused(
+                f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
+                f"{MAX_STEP_VALUE} (1 MiB): store large data elsewhere and journal a reference"
+            ))
+        job_id = ctx.id
+        # One statement (journal + spend): no transaction block needed around it.
+        with ctx.client.connection() as conn:
+            spend = store.put_step(conn, job_id, name, envelope, usd_micros, tokens,
+                                   ctx.client.clock.now())
+            if spend is not None and not spend["journaled"]:
+                # Another run of this job journaled it first: its value stands (§11.3).
+                _, journaled = store.get_step(conn, job_id, name)
+                value = decode_value(journaled)
+        if spend is not None:
+            ctx._check_budget(spend, name)
+        return value
+
+
 SHARE = "share"
 
 

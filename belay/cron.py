@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Final
@@ -42,6 +42,7 @@ from belay.codec import dumps_object
 from belay.enqueue import JobSpec, Row, as_utc, build_row, kind_of
 from belay.errors import BelayError, ConfigurationError, ValidationError
 from belay.job import Job
+from belay.parts.service import Service
 from belay.registry import Registry, WorkerDef
 
 if TYPE_CHECKING:
@@ -482,8 +483,7 @@ class CronScheduler:
         self._warned: dict[str, str] = {}
         self._tick_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service: Service | None = None
 
     # -- One round ------------------------------------------------------------------
 
@@ -558,29 +558,26 @@ class CronScheduler:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None
+        return self._service is not None
 
-    def start(self) -> None:
-        """Tick now and then every ``interval`` seconds on thread ``belay-cron``; idempotent."""
+    def start(self, on_crash: Callable[[Service, BaseException], None] | None = None) -> None:
+        """Tick now and then every ``interval`` seconds on the ``belay-cron``
+        service (``on_crash``: its crash policy); idempotent."""
         with self._lock:
-            if self._thread is not None:
+            if self._service is not None:
                 return
-            self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=self._run, args=(self._stop,), name="belay-cron", daemon=True
-            )
-            self._thread.start()
+            self._service = Service("belay-cron", self._run, on_crash=on_crash).start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop ticking and wait (up to ``timeout`` s) for a tick under way; idempotent."""
         with self._lock:
-            thread, self._thread = self._thread, None
-            self._stop.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            service, self._service = self._service, None
+        if service is not None:
+            service.stop()
+            service.join(timeout)
 
-    def _run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
+    def _run(self, service: Service) -> None:
+        while True:
             try:
                 self.tick()
             except Exception:
@@ -588,4 +585,5 @@ class CronScheduler:
                 # (up to LOOKBACK), because _previous only moves on success.
                 log.exception("belay cron tick failed; retrying in %.1f s", self.interval)
             self.ticked.set()
-            stop.wait(self.interval)
+            if service.wait(self.interval):
+                return

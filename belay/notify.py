@@ -19,6 +19,7 @@ import psycopg
 from psycopg import sql
 
 from belay.codec import loads
+from belay.parts.service import Service
 from belay.sql import QUERIES
 
 log = logging.getLogger("belay.notify")
@@ -32,32 +33,31 @@ class Listener:
         on_message: Callable[[dict[str, Any]], None],
         *,
         name: str,
+        on_crash: Callable[[Service, BaseException], None] | None = None,
     ) -> None:
         self._conninfo = conninfo
         self._channel = channel
         self._on_message = on_message
         self._name = name
+        self._on_crash = on_crash
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service: Service | None = None
         #: Set while LISTEN is in place (a test signal; production never waits on it).
         self.listening = threading.Event()
 
     def start(self) -> None:
         with self._lock:
-            if self._thread is not None:
+            if self._service is not None:
                 return
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+            self._service = Service(self._name, self._run, on_crash=self._on_crash).start()
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is None:
+            service, self._service = self._service, None
+        if service is None:
             return
-        self._stop.set()
-        thread.join(timeout)
+        service.stop()
+        service.join(timeout)
 
     def _dispatch(self, payload: str) -> None:
         try:
@@ -70,9 +70,9 @@ class Listener:
             except Exception:
                 log.exception("%s: handling %r failed", self._name, payload)
 
-    def _run(self) -> None:
+    def _run(self, service: Service) -> None:
         backoff = 0.1
-        while not self._stop.is_set():
+        while not service.stopping:
             try:
                 with psycopg.connect(
                     self._conninfo,
@@ -84,14 +84,14 @@ class Listener:
                     conn.execute(sql.SQL(QUERIES["listen"]).format(channel=channel))
                     self.listening.set()
                     backoff = 0.1
-                    while not self._stop.is_set():
+                    while not service.stopping:
                         for note in conn.notifies(timeout=0.5):
                             self._dispatch(note.payload)
             except Exception:
                 # A server restart, a pooler without LISTEN: keep polling, retry.
                 log.debug("%s failed; retrying in %.1fs", self._name, backoff, exc_info=True)
                 self.listening.clear()
-                self._stop.wait(backoff)
+                service.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
         self.listening.clear()
 

@@ -35,7 +35,7 @@ from psycopg.pq import TransactionStatus
 
 from belay import names, schema, store
 from belay.codec import decode_value, dumps_object, encode_value
-from belay.context import _CURRENT, TIMEOUT, Context, Execution, check_debit
+from belay.context import _CURRENT, TIMEOUT, Context, Execution, Journal, check_debit
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.enqueue import JobSpec
 from belay.errors import ConfigurationError, JobNotFound, ValidationError
@@ -321,6 +321,19 @@ class ReadOnlyClient:
 # -- The context -------------------------------------------------------------------------
 
 
+class _RecordedJournal(Journal):
+    """A replay's journal: every step is answered from the record (a bad cost
+    already failed in the caller, as it would in a real run); a step the
+    record lacks stops the replay."""
+
+    def __init__(self, ctx: ReplayContext) -> None:
+        super().__init__(ctx)
+        self._replay = ctx
+
+    def lookup(self, name: str) -> tuple[bool, Any]:
+        return True, self._replay._serve("step", name)
+
+
 class ReplayContext(Context):
     """What the worker function receives during a replay: the API of
     :class:`~belay.Context`, answered from the record alone.
@@ -344,6 +357,7 @@ class ReplayContext(Context):
         facade = ReadOnlyClient(client, snapshot, self._refuse)
         super().__init__(Execution(job, definition, None), cast("Belay", facade), registry)
         self._real_client = client
+        self.journal = _RecordedJournal(self)
 
     @property
     def trace(self) -> list[Ask]:
@@ -385,9 +399,6 @@ class ReplayContext(Context):
         self._record(Ask(op, entry, "served", found.seq, dict(detail or {})))
         return found.value
 
-    def _step_lookup(self, name: str) -> tuple[bool, Any]:
-        # A bad cost already failed in the caller, as it would in a real run.
-        return True, self._serve("step", name)
 
     def sleep(self, name: str, seconds: float) -> None:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:

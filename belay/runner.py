@@ -236,10 +236,11 @@ class Worker:
                 from belay.notify import Listener
 
                 self._listener = Listener(
-                    listen, self.pools.channel, self.producers.on_notify, name="belay-listener"
+                    listen, self.pools.channel, self.producers.on_notify, name="belay-listener",
+                    on_crash=self.supervisor.report,
                 )
                 self._listener.start()
-            self.cron.start()
+            self.cron.start(on_crash=self.supervisor.report)
         log.info("belay worker %s started: queues %s", self.node_id,
                  {name: spec.to_opts() for name, spec in self.live_queues().items()})
 

@@ -17,7 +17,7 @@ from belay.http.workers import Unavailable, WorkerSessions
 from belay.parts.execution import LOST, Execution
 from belay.parts.service import Service, ServiceCrashed
 from tests.helpers import Ends, job_row, wait_until
-from tests.test_worker import make_worker, running
+from tests.test_worker import make_worker
 
 
 class Killed(BaseException):
@@ -299,3 +299,37 @@ def test_a_lost_lease_reads_the_same_on_both_kinds_of_worker(
         assert sessions.leases.running() == []
     finally:
         sessions.stop()
+
+
+# -- The journal, public ---------------------------------------------------------------
+
+
+def test_the_journal_looks_up_and_records_steps_nested_where_step_may_not(
+        client: belay.Belay) -> None:
+    """What the agent integrations build on: a lookup and a record under a key
+    of their own, inside a running step (``ctx.step`` refuses nesting)."""
+    reg = belay.Registry()
+    calls: list[str] = []
+
+    @belay.worker(name="parts.journal", registry=reg)
+    def journaled(ctx: belay.Context) -> Any:
+        def outer() -> Any:
+            hit, value = ctx.journal.lookup("inner")
+            if not hit:
+                calls.append("inner ran")
+                value = ctx.journal.record("inner", {"n": 1}, belay.Cost(usd=0.25, tokens=7))
+            return value
+        first = ctx.step("outer", outer)
+        return {"first": first, "again": ctx.journal.lookup("inner"),
+                "rate": ctx.rate, "control": repr(ctx.control)}
+
+    worker = make_worker(client, reg)
+    job = client.enqueue("parts.journal")
+    assert worker.drain() == {"succeeded": 1}
+    result = client.get_job(job.id).result
+    assert result == {"first": {"n": 1}, "again": [True, {"n": 1}], "rate": None,
+                      "control": "None"}
+    steps = {step.name: step for step in client.steps(job.id)}
+    assert set(steps) == {"inner", "outer"}
+    assert (steps["inner"].usd, steps["inner"].tokens) == (0.25, 7)
+    assert calls == ["inner ran"]

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -67,6 +67,7 @@ from belay.parts.completer import ack_on
 from belay.parts.execution import ACKED, ENDINGS, Execution
 from belay.parts.leases import Leases, timeout_outcome
 from belay.parts.maintenance import RECLAIM_LIMIT, reclaim_expired
+from belay.parts.producer import claim_jobs
 from belay.parts.service import Service
 from belay.queues import QueueSpec
 from belay.queues import merge as merge_queues
@@ -261,9 +262,29 @@ def _json_value(value: Any, what: str, *, nul: bool = False) -> None:
         raise InvalidRequest(exc.message) from None
 
 
+def reported(job: Job, outcome: str, result: Any, error: Any, now: datetime) -> Outcome:
+    """What an HTTP worker's completion means for the job (:mod:`belay.outcome`)."""
+    if outcome == "success":
+        return decide(returned=result, attempt=job.attempt, max_attempts=job.max_attempts,
+                      now=now, backoff=job_backoff(job))
+    if outcome == "failure":
+        return retry_or_fail(error_entry(error, job.attempt), job.attempt, job.max_attempts,
+                             now, job_backoff(job))
+    raise InvalidRequest(f'outcome must be "success" or "failure", got {outcome!r}')
+
+
 def token_key(token: str) -> str:
     """Sessions are kept under a hash of their token: the token itself is never stored."""
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def execute_event(execution_id: str, job: Job, timeout_ms: int | None,
+                  lease_ttl: float) -> dict[str, Any]:
+    """The seed's ``execute`` event for a claimed job."""
+    return {"type": "execute", "execution_id": execution_id, "job_id": job.id,
+            "task": job.kind, "args": job.input, "attempt": job.attempt,
+            "max_attempts": job.max_attempts, "timeout_ms": timeout_ms,
+            "queue": job.queue, "lease_ttl_ms": int(lease_ttl * 1000)}
 
 
 def timeout_of(job: Job) -> int | None:
@@ -274,6 +295,18 @@ def timeout_of(job: Job) -> int | None:
 
 
 # -- Sessions ---------------------------------------------------------------------------
+
+
+def _check_ttls(*, reclaim_interval: float | None, **ttls: float) -> None:
+    for label, value in ttls.items():
+        # A day at most: an infinite or huge TTL can't become a lease_until.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 < value <= MAX_TTL:
+            raise ConfigurationError(
+                f"{label} must be seconds > 0 and at most {MAX_TTL:g}, got {value!r}")
+    if reclaim_interval is not None and not reclaim_interval > 0:
+        raise ConfigurationError(
+            f"reclaim_interval must be positive seconds or None, got {reclaim_interval!r}")
 
 
 @dataclass
@@ -319,15 +352,8 @@ class WorkerSessions:
         clock: Callable[[], float] = time.monotonic,
         reclaim_interval: float | None = None,
     ) -> None:
-        for label, value in (("session_ttl", session_ttl), ("lease_ttl", lease_ttl)):
-            # A day at most: an infinite or huge TTL can't become a lease_until.
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not 0 < value <= MAX_TTL:
-                raise ConfigurationError(
-                    f"{label} must be seconds > 0 and at most {MAX_TTL:g}, got {value!r}")
-        if reclaim_interval is not None and not reclaim_interval > 0:
-            raise ConfigurationError(
-                f"reclaim_interval must be positive seconds or None, got {reclaim_interval!r}")
+        _check_ttls(session_ttl=session_ttl, lease_ttl=lease_ttl,
+                    reclaim_interval=reclaim_interval)
         self.client = client
         self.session_ttl = float(session_ttl)
         self.lease_ttl = float(lease_ttl)
@@ -464,15 +490,7 @@ class WorkerSessions:
         with self._lock:
             execution = self._execution(session, execution_id)
         job = execution.job
-        now = self.client.clock.now()
-        if outcome == "success":
-            decided = decide(returned=result, attempt=job.attempt,
-                             max_attempts=job.max_attempts, now=now, backoff=job_backoff(job))
-        elif outcome == "failure":
-            decided = retry_or_fail(error_entry(error, job.attempt), job.attempt,
-                                    job.max_attempts, now, job_backoff(job))
-        else:
-            raise InvalidRequest(f'outcome must be "success" or "failure", got {outcome!r}')
+        decided = reported(job, outcome, result, error, self.client.clock.now())
         with self._lock:  # claim the right to ack: one completion per execution
             execution = self._execution(session, execution_id)
             if not execution.end(ACKED):
@@ -608,27 +626,14 @@ class WorkerSessions:
                 return None
             session.executions[execution_id] = execution
         self.leases.hold(execution)
-        return {"type": "execute", "execution_id": execution_id, "job_id": job.id,
-                "task": job.kind, "args": job.input, "attempt": job.attempt,
-                "max_attempts": job.max_attempts, "timeout_ms": timeout_ms,
-                "queue": job.queue, "lease_ttl_ms": int(self.lease_ttl * 1000)}
+        return execute_event(execution_id, job, timeout_ms, self.lease_ttl)
 
     def _claim_one(self, conn: store.Conn, session: _Session, spec: QueueSpec) -> Job | None:
-        """Claim one job of this session's kinds through the contract's claim
-        statements (admission included), or None."""
-        kinds = sorted(session.registration.tasks)
+        """Claim one job of this session's kinds with the Python worker's claim
+        (admission included), or None; an input it can't decrypt goes back."""
         with conn.transaction():
-            if spec.admitted:
-                store.lock_for_claim(conn, spec)
-            # "now" after the queue's lock (store.lock_for_claim says why).
-            now = self.client.clock.now()
-            lease_until = self.leases.lease_until(now)
-            if spec.admitted:
-                jobs = store.claim_admitted(conn, spec, 1, session.node_id, now, lease_until,
-                                            kinds=kinds, locked=True)
-            else:
-                jobs = store.claim(conn, spec.name, 1, session.node_id, now, lease_until,
-                                   kinds=kinds)
+            jobs = claim_jobs(conn, spec, 1, session.node_id, self.client.clock.now,
+                              self.lease_ttl, kinds=sorted(session.registration.tasks))
             if not jobs:
                 return None
             (job,) = jobs
@@ -638,6 +643,7 @@ class WorkerSessions:
                 except Exception as exc:
                     log.error("belay: job %d: %s; it goes back to the queue for %.0fs",
                               job.id, exc, RETURN_SNOOZE)
+                    now = self.client.clock.now()
                     store.ack(conn, job, "snooze", now, at=now + timedelta(seconds=RETURN_SNOOZE))
                     return None
         return job

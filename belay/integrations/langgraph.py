@@ -289,7 +289,7 @@ def run_graph(
     # A turn that finished in an earlier attempt returns what it returned then
     # (the thread may have moved on with later turns since).
     finished = f"langgraph:result:{thread}{suffix}"
-    hit, journaled = ctx._step_lookup(finished)
+    hit, journaled = ctx.journal.lookup(finished)
     if hit:
         return journaled
     start = ctx.step(f"langgraph:start:{thread}{suffix}", lambda: head)
@@ -300,7 +300,7 @@ def run_graph(
     elif state.next:
         run_input = None  # a crashed or parked run: go on from the last checkpoint
     else:  # finished before its result was journaled
-        return ctx._step_record(finished, _result(state.values, result), None, None)
+        return ctx.journal.record(finished, _result(state.values, result), None, None)
     while True:
         for part in graph.stream(run_input, cfg, stream_mode=modes, version="v2",
                                  durability=durability, context=context, subgraphs=subgraphs):
@@ -314,7 +314,7 @@ def run_graph(
                 "breakpoint?): run_graph resumes interrupt() calls only"
             )
         else:
-            return ctx._step_record(finished, _result(state.values, result), None, None)
+            return ctx.journal.record(finished, _result(state.values, result), None, None)
 
 
 _turns: weakref.WeakKeyDictionary[Context, dict[str, int]] = weakref.WeakKeyDictionary()
@@ -560,7 +560,7 @@ class BelayMiddleware(AgentMiddleware):
     # A tool may run an agent of its own (an agent as a tool): its calls are
     # journaled too, keyed under the tool call's key, so a replayed tool call
     # that skips them doesn't shift anyone else's keys. That is why tool calls
-    # bypass ctx.step's no-nesting rule (ctx._step_lookup/_step_record).
+    # bypass ctx.step's no-nesting rule (ctx.journal.lookup/record).
 
     def wrap_tool_call(
         self, request: ToolCallRequest,
@@ -570,14 +570,14 @@ class BelayMiddleware(AgentMiddleware):
         if ctx is None:
             return handler(request)
         key = self._tool_key(ctx, request)
-        hit, journaled = ctx._step_lookup(key)
+        hit, journaled = ctx.journal.lookup(key)
         if not hit:
             scope = _TOOL.set(key)
             try:
                 answer = handler(request)
             finally:
                 _TOOL.reset(scope)
-            journaled = ctx._step_record(key, _dump_tool(answer), None, None)
+            journaled = ctx.journal.record(key, _dump_tool(answer), None, None)
         return _load_tool(journaled)
 
     async def awrap_tool_call(
@@ -588,14 +588,14 @@ class BelayMiddleware(AgentMiddleware):
         if ctx is None:
             return await handler(request)
         key = self._tool_key(ctx, request)
-        hit, journaled = await asyncio.to_thread(ctx._step_lookup, key)
+        hit, journaled = await asyncio.to_thread(ctx.journal.lookup, key)
         if not hit:
             scope = _TOOL.set(key)
             try:
                 answer = await handler(request)
             finally:
                 _TOOL.reset(scope)
-            journaled = await asyncio.to_thread(ctx._step_record, key, _dump_tool(answer),
+            journaled = await asyncio.to_thread(ctx.journal.record, key, _dump_tool(answer),
                                                 None, None)
         return _load_tool(journaled)
 

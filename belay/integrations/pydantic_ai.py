@@ -218,7 +218,7 @@ class _BelayBackend(JournalCallableOperationBackend[None]):
             key = f"ai:{run}/{name}@{run_ctx.run_step}:{run_ctx.tool_call_id}"
         else:
             key = f"ai:{run}/{name}#{_execution(ctx).next(f'{run}/{name}')}"
-        hit, value = await asyncio.to_thread(ctx._step_lookup, key)
+        hit, value = await asyncio.to_thread(ctx.journal.lookup, key)
         if hit:
             return value
         unit = _UNIT.set(key)
@@ -232,7 +232,7 @@ class _BelayBackend(JournalCallableOperationBackend[None]):
         priced = isinstance(operation_id, ModelRequestId | ModelCompactMessagesId)
         cost = _response_cost(self._capability.price) if priced else None
         try:
-            return await asyncio.to_thread(ctx._step_record, key, payload, cost, None)
+            return await asyncio.to_thread(ctx.journal.record, key, payload, cost, None)
         finally:
             # The tokens were used whether or not the call crossed the budget.
             if priced and self._capability.rate_resource is not None:
@@ -324,7 +324,7 @@ class BelayDurability(BaseDurabilityCapability[AgentDepsT]):
 
     def _check_rate(self, ctx: Context) -> None:
         resource = self.rate_resource
-        rate = ctx._rate
+        rate = ctx.rate
         if resource is None or self.rate_period is not None or (
                 rate is not None and rate.resource == resource):
             return
@@ -475,7 +475,7 @@ async def run_agent(ctx: Context, agent: AbstractAgent[Any, Any], user_prompt: A
     try:
         return await agent.run(user_prompt, **run_kwargs)
     except BaseException as exc:
-        control = ctx._execution.control
+        control = ctx.control
         if control is not None and control is not exc and _contains(exc, control):
             raise control from None
         raise

@@ -45,17 +45,20 @@ Connect = Callable[[], contextlib.AbstractContextManager[store.Conn]]
 
 
 def claim_jobs(conn: store.Conn, spec: QueueSpec, demand: int, node_id: str,
-               now: Callable[[], datetime], lease_ttl: float) -> list[Job]:
-    """Claim up to ``demand`` jobs of ``spec``'s queue under leases for ``node_id``."""
+               now: Callable[[], datetime], lease_ttl: float,
+               kinds: list[str] | None = None) -> list[Job]:
+    """Claim up to ``demand`` jobs of ``spec``'s queue (of ``kinds`` only, if
+    given) under leases for ``node_id``: the one claim both kinds of worker make."""
     if not spec.admitted:
         at = now()
         return store.claim(conn, spec.name, demand, node_id, at,
-                           at + timedelta(seconds=lease_ttl))
+                           at + timedelta(seconds=lease_ttl), kinds=kinds)
     with conn.transaction():
         store.lock_for_claim(conn, spec)
         at = now()  # after the lock (store.lock_for_claim says why)
         return store.claim_admitted(conn, spec, demand, node_id, at,
-                                    at + timedelta(seconds=lease_ttl), locked=True)
+                                    at + timedelta(seconds=lease_ttl), kinds=kinds,
+                                    locked=True)
 
 
 class Producer:

@@ -17,7 +17,7 @@ from django.db import connections
 
 from belay import schema
 from belay.cli import parse_queue_option
-from belay.errors import ConfigurationError
+from belay.errors import ConfigurationError, WorkerCrashed
 from belay.registry import DEFAULT_REGISTRY
 
 _SECONDS = (
@@ -93,6 +93,8 @@ class Command(BaseCommand):
         self.stdout.flush()
         try:
             worker.run()
+        except WorkerCrashed as exc:
+            raise CommandError(str(exc)) from None  # exit status 1: a supervisor restarts it
         finally:
             client.close()
         self.stdout.write(f"belay worker {worker.node_id} stopped")
