@@ -7,8 +7,6 @@ also exists as a method of :class:`Belay` for explicit instances.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -16,9 +14,13 @@ from typing import Any
 import psycopg
 
 from belay import errors
-from belay.client import STATS_CAP, Belay, CancelStatus
-from belay.clock import Clock, ManualClock, SystemClock
-from belay.codec import Opaque
+from belay.client import STATS_CAP as STATS_CAP
+from belay.client import Belay
+from belay.client import CancelStatus as CancelStatus
+from belay.clock import Clock as Clock
+from belay.clock import ManualClock
+from belay.clock import SystemClock as SystemClock
+from belay.codec import Opaque as Opaque
 from belay.context import (
     TIMEOUT,
     BudgetExceeded,
@@ -26,11 +28,18 @@ from belay.context import (
     Context,
     Cost,
     Interrupted,
-    StepValueRefused,
     current_context,
 )
-from belay.cron import CronEntry, CronScheduler, DynamicCron
-from belay.enqueue import MAX_DELAY_SECONDS, JobSpec, Unique
+from belay.context import (
+    StepValueRefused as StepValueRefused,
+)
+from belay.cron import CronEntry as CronEntry
+from belay.cron import CronScheduler as CronScheduler
+from belay.cron import DynamicCron as DynamicCron
+from belay.defaults import configure, default, set_default
+from belay.enqueue import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS
+from belay.enqueue import JobSpec as JobSpec
+from belay.enqueue import Unique
 from belay.errors import (
     BelayError,
     ConfigurationError,
@@ -39,43 +48,49 @@ from belay.errors import (
     JobFailed,
     JobNotFound,
     NotRetryable,
-    PoolerError,
     SchemaError,
     SchemaMissing,
     SchemaOutdated,
     ValidationError,
+    WorkerCrashed,
 )
-from belay.job import Event, Job, Step, WorkflowStatus
-from belay.names import MAX_KEY_BYTES, MAX_NAME_BYTES
-from belay.outcome import Cancel, Snooze, default_backoff
-from belay.queues import QueueSpec
-from belay.registry import Registry, WorkerDef, worker
+from belay.errors import (
+    PoolerError as PoolerError,
+)
+from belay.job import Event, Job, Step
+from belay.job import WorkflowStatus as WorkflowStatus
+from belay.names import MAX_KEY_BYTES as MAX_KEY_BYTES
+from belay.names import MAX_NAME_BYTES as MAX_NAME_BYTES
+from belay.outcome import Cancel, Snooze
+from belay.outcome import default_backoff as default_backoff
+from belay.queues import QueueSpec as QueueSpec
+from belay.registry import Registry, worker
+from belay.registry import WorkerDef as WorkerDef
 from belay.runner import JobEnd, Worker
-from belay.schema import CONTRACT_MAJOR, MIN_REVISION, SchemaStatus
+from belay.schema import CONTRACT_MAJOR as CONTRACT_MAJOR
+from belay.schema import MIN_REVISION as MIN_REVISION
+from belay.schema import SchemaStatus as SchemaStatus
 from belay.workflow import Workflow
 
+# What people use daily. The rest stays importable from here, and is
+# documented where it lives: belay.client (STATS_CAP, CancelStatus),
+# belay.clock, belay.cron (CronEntry, CronScheduler, DynamicCron),
+# belay.enqueue (JobSpec, MAX_DELAY_SECONDS), belay.codec (Opaque),
+# belay.errors (every exception), belay.job (WorkflowStatus), belay.names,
+# belay.outcome (default_backoff), belay.queues (QueueSpec),
+# belay.registry (WorkerDef), belay.schema (CONTRACT_MAJOR, MIN_REVISION,
+# SchemaStatus), belay.context (StepValueRefused).
 __all__ = [
-    "CONTRACT_MAJOR",
-    "MAX_DELAY_SECONDS",
-    "MAX_KEY_BYTES",
-    "MAX_NAME_BYTES",
-    "MIN_REVISION",
-    "STATS_CAP",
     "TIMEOUT",
     "Belay",
     "BelayError",
     "BudgetExceeded",
     "Cancel",
     "CancelRequested",
-    "CancelStatus",
-    "Clock",
     "ConfigurationError",
     "Context",
     "ContractMismatch",
     "Cost",
-    "CronEntry",
-    "CronScheduler",
-    "DynamicCron",
     "Event",
     "Interrupted",
     "Job",
@@ -83,27 +98,19 @@ __all__ = [
     "JobEnd",
     "JobFailed",
     "JobNotFound",
-    "JobSpec",
     "ManualClock",
     "NotRetryable",
-    "Opaque",
-    "PoolerError",
-    "QueueSpec",
     "Registry",
     "SchemaError",
     "SchemaMissing",
     "SchemaOutdated",
-    "SchemaStatus",
     "Snooze",
     "Step",
-    "StepValueRefused",
-    "SystemClock",
     "Unique",
     "ValidationError",
     "Worker",
-    "WorkerDef",
+    "WorkerCrashed",
     "Workflow",
-    "WorkflowStatus",
     "await_result",
     "cancel_job",
     "check_schema",
@@ -111,7 +118,6 @@ __all__ = [
     "configure",
     "current_context",
     "default",
-    "default_backoff",
     "delete_cron",
     "delete_queue",
     "enqueue",
@@ -142,62 +148,7 @@ __all__ = [
     "workflow_status",
 ]
 
-_default: Belay | None = None
-_default_lock = threading.Lock()
-
 Conn = psycopg.Connection[Any]
-
-
-def configure(url: str | None = None, **options: Any) -> Belay:
-    """Set up the default instance (replacing and closing any earlier one).
-
-    ``url`` falls back to ``BELAY_DATABASE_URL``; ``options`` are those of :class:`Belay`.
-    """
-    global _default
-    instance = Belay(_url(url), **options)
-    with _default_lock:
-        previous, _default = _default, instance
-    if previous is not None:
-        previous.close()
-    return instance
-
-
-_ANY: Any = object()
-
-
-def set_default(instance: Belay, *, expected: Belay | None = _ANY) -> bool:
-    """Make ``instance`` the default the module-level functions use (for an
-    instance built elsewhere, e.g. by a framework adapter).
-
-    With ``expected``, only if the current default is that instance (None: only
-    if there is none yet), atomically; returns whether it was set. The instance
-    it replaces is not closed: it belongs to whoever made it.
-    """
-    global _default
-    with _default_lock:
-        if expected is not _ANY and _default is not expected:
-            return False
-        _default = instance
-        return True
-
-
-def default() -> Belay:
-    """The default instance, created from ``BELAY_DATABASE_URL`` on first use."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Belay(_url(None))
-        return _default
-
-
-def _url(url: str | None) -> str:
-    url = url or os.environ.get("BELAY_DATABASE_URL")
-    if not url:
-        raise ConfigurationError(
-            "belay has no database: call belay.configure(url='postgresql://…') "
-            "or set BELAY_DATABASE_URL"
-        )
-    return url
 
 
 def migrate(url: str | None = None) -> list[int]:

@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Union
 from belay import names, store
 from belay.codec import decode_value, dumps_object, encode_value
 from belay.enqueue import JobSpec, check_seconds, usd_to_micros
+from belay.errors import BudgetExceeded as BudgetExceeded
+from belay.errors import CancelRequested as CancelRequested
 from belay.errors import ConfigurationError, ValidationError
+from belay.errors import Interrupted as Interrupted
+from belay.errors import StepValueRefused as StepValueRefused
 from belay.parts.execution import Execution as Execution
 
 if TYPE_CHECKING:
@@ -76,23 +80,6 @@ def _check_step_name(name: object) -> None:
         raise ValidationError(f"step names starting with '$' are reserved for belay: {name!r}")
 
 
-class BudgetExceeded(BaseException):
-    """The job's recorded spend went over its budget (§8.2): it fails now."""
-
-    def __init__(self, entry: dict[str, Any]) -> None:
-        super().__init__(f"budget exceeded: {entry}")
-        self.entry = entry
-
-
-class CancelRequested(BaseException):
-    """An operator asked to cancel this job (§8.6); honoured at a step boundary."""
-
-
-class StepValueRefused(ValidationError):
-    """A step's value can't be journaled (not JSON, or over 1 MiB). The job fails at
-    once: retrying would pay for the same step again and fail the same way."""
-
-
 class Park(BaseException):
     """The job waits for a signal (§7): the worker parks it and its thread is free."""
 
@@ -129,15 +116,6 @@ class _Timeout:
 
 
 TIMEOUT = _Timeout()
-
-
-class Interrupted(BaseException):
-    """This run no longer owns its job: its lease was lost, it timed out, or the
-    worker is shutting down hard.
-
-    A ``BaseException``, like ``KeyboardInterrupt``, so a job's own
-    ``except Exception:`` can't swallow it; ``finally`` blocks still run.
-    """
 
 
 class Context:

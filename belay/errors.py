@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import psycopg
 import psycopg_pool
@@ -83,6 +83,40 @@ class WorkerCrashed(BelayError):
                          "does); its jobs' leases lapse and are reclaimed")
         self.service = service
         self.cause = cause
+
+
+# -- Raised inside a running job (belay's control flow) ------------------------------
+#
+# BaseExceptions, like KeyboardInterrupt, so a job's own ``except Exception:``
+# can't swallow them; ``finally`` blocks still run. ``belay.context`` names
+# them too.
+
+
+class BudgetExceeded(BaseException):
+    """The job's recorded spend went over its budget (§8.2): it fails now."""
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        super().__init__(f"budget exceeded: {entry}")
+        self.entry = entry
+
+
+class CancelRequested(BaseException):
+    """An operator asked to cancel this job (§8.6); honoured at a step boundary."""
+
+
+class StepValueRefused(ValidationError):
+    """A step's value can't be journaled (not JSON, or over 1 MiB). The job fails at
+    once: retrying would pay for the same step again and fail the same way."""
+
+
+class Interrupted(BaseException):
+    """This run no longer owns its job: its lease was lost, it timed out, or the
+    worker is shutting down hard.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so a job's own
+    ``except Exception:`` can't swallow it; ``finally`` blocks still run.
+    """
+
 
 
 class JobNotFound(BelayError, LookupError):

@@ -96,7 +96,7 @@ class WorkerDef:
     ) -> Job:
         """Enqueue a job for this worker (``belay.enqueue(self, input, **options)``)."""
         if client is None:
-            from belay import default
+            from belay.defaults import default
 
             client = default()
         return client.enqueue(self, input, **options)

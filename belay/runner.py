@@ -10,13 +10,14 @@ service dies — the worker stops claiming and stops, and ``run()`` raises
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 from types import FrameType
 from typing import Any
@@ -25,6 +26,7 @@ import psycopg
 
 from belay.client import Belay
 from belay.cron import CronScheduler
+from belay.defaults import default
 from belay.errors import ConfigurationError, WorkerCrashed
 from belay.job import Job
 from belay.outcome import RETURN_SNOOZE
@@ -68,6 +70,30 @@ def _check(*, shutdown_grace: float, signal_ttl: float | None, **durations: floa
         )
 
 
+@contextlib.contextmanager
+def _signals(grace: float) -> Iterator[threading.Event]:
+    """An event SIGTERM or SIGINT sets (handlers install only in the main
+    thread, and are put back after); a second signal exits at once."""
+    requested = threading.Event()
+    previous: dict[int, Any] = {}
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if requested.is_set():
+            log.warning("second signal: exiting at once")
+            os._exit(1)
+        log.info("signal %d: stopping (grace %.1fs)", signum, grace)
+        requested.set()
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, handle)
+    try:
+        yield requested
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 class Worker:
     """Runs the registered workers' jobs from the given queues.
 
@@ -106,8 +132,6 @@ class Worker:
                signal_ttl=signal_ttl)
         self.retention = parse_retention(retention)
         if client is None:
-            from belay import default
-
             client = Belay(url) if url is not None else default()
         self.client = client
         self.registry = registry if registry is not None else DEFAULT_REGISTRY
@@ -226,9 +250,10 @@ class Worker:
             self.completer.start()
             self.producers.open()
             self._started = True
-            self._apply(specs)
+            # The heartbeat first: the producers' first claims may carry deadlines.
             self.leases.service = self.supervisor.start("belay-heartbeat",
                                                         self.leases.heartbeat)
+            self._apply(specs)
             self.supervisor.start("belay-sweeper", self.maintenance.sweep)
             self.supervisor.start("belay-queues", self._sync_loop)
             listen = self.client.listen_conninfo
@@ -329,32 +354,15 @@ class Worker:
         signal exits at once. Signal handlers install only in the main thread.
         Raises :class:`~belay.errors.WorkerCrashed` once a background service
         died and the worker stopped."""
-        requested = threading.Event()
-        previous: dict[int, Any] = {}
-
-        def handle(signum: int, frame: FrameType | None) -> None:
-            if requested.is_set():
-                log.warning("second signal: exiting at once")
-                os._exit(1)
-            log.info("signal %d: stopping (grace %.1fs)", signum, self.shutdown_grace)
-            requested.set()
-
-        in_main = threading.current_thread() is threading.main_thread()
-        if in_main:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                previous[signum] = signal.signal(signum, handle)
-        try:
+        with _signals(self.shutdown_grace) as requested:
             self.start()
             while not requested.wait(0.5) and not self._stopped.is_set():
                 pass
             self.stop()
-            crash = self.supervisor.crashed
-            if crash is not None:
-                self._stopped.wait()
-                raise WorkerCrashed(crash[0].name, crash[1])
-        finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
+        crash = self.supervisor.crashed
+        if crash is not None:
+            self._stopped.wait()
+            raise WorkerCrashed(crash[0].name, crash[1])
 
     def __enter__(self) -> Worker:
         self.start()

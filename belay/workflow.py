@@ -225,7 +225,7 @@ class Workflow:
         """Insert every member in one transaction (the caller's, with ``conn=``);
         returns the jobs by member name. See :meth:`belay.Belay.enqueue_workflow`."""
         if client is None:
-            from belay import default
+            from belay.defaults import default
 
             client = default()
         return client.enqueue_workflow(self, conn=conn)

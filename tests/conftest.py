@@ -292,7 +292,6 @@ def notes(direct_url: str) -> Iterator[Notifications]:
 def restore_default() -> Iterator[None]:
     """Close and forget the module-level default instance a test configured."""
     yield
-    with belay._default_lock:
-        previous, belay._default = belay._default, None
+    previous = belay.defaults.swap(None)
     if previous is not None:
         previous.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 import belay
 from belay.clock import ManualClock
 from belay.errors import WorkerCrashed
-from belay.http.workers import Unavailable, WorkerSessions
+from belay.http.workers import StaleExecution, Unavailable, WorkerSessions
 from belay.parts.execution import LOST, Execution
 from belay.parts.service import Service, ServiceCrashed
 from tests.helpers import Ends, job_row, wait_until
@@ -235,70 +236,66 @@ def test_a_middleware_that_raises_is_the_jobs_error(client: belay.Belay) -> None
 # -- HTTP sessions on the same leases ---------------------------------------------------
 
 
-def test_http_sessions_hold_their_executions_in_the_leases_part(
-        client: belay.Belay, clock: ManualClock) -> None:
-    sessions = WorkerSessions(client, lease_ttl=30.0)
+@pytest.fixture
+def sessions(client: belay.Belay, clock: ManualClock) -> Iterator[WorkerSessions]:
+    instance = WorkerSessions(client, lease_ttl=30.0)
     try:
-        token = sessions.register("rt", ["parts.http"], 1, "default")
-        job = client.enqueue("parts.http")
-        event = sessions.claim(token, "default", wait=0)
-        assert event is not None
-        (held,) = sessions.leases.running()
-        assert isinstance(held, Execution) and held.key == (job.id, 1)
-        assert held.node is not None and held.node.startswith("http:rt/")
-        sessions.complete(token, event["execution_id"], "success", {"ok": True})
-        assert sessions.leases.running() == []
+        yield instance
     finally:
-        sessions.stop()
+        instance.stop()
+
+
+def claimed(sessions: WorkerSessions, client: belay.Belay,
+            capacity: int = 1) -> tuple[str, belay.Job, dict[str, Any]]:
+    """A session's token, the job it claimed, and the execute event."""
+    token = sessions.register("rt", ["parts.http"], capacity, "default")
+    job = client.enqueue("parts.http")
+    event = sessions.claim(token, "default", wait=0)
+    assert event is not None
+    return token, job, event
+
+
+def test_http_sessions_hold_their_executions_in_the_leases_part(
+        sessions: WorkerSessions, client: belay.Belay) -> None:
+    token, job, event = claimed(sessions, client)
+    (held,) = sessions.leases.running()
+    assert isinstance(held, Execution) and held.key == (job.id, 1)
+    assert held.node is not None and held.node.startswith("http:rt/")
+    sessions.complete(token, event["execution_id"], "success", {"ok": True})
+    assert sessions.leases.running() == []
 
 
 def test_http_sessions_refuse_claims_once_their_heartbeat_died(
-        client: belay.Belay, clock: ManualClock) -> None:
-    sessions = WorkerSessions(client, lease_ttl=30.0)
-    try:
-        token = sessions.register("rt", ["parts.http"], 2, "default")
-        client.enqueue("parts.http")
-        event = sessions.claim(token, "default", wait=0)
-        assert event is not None
-        (held,) = sessions.leases.running()
+        sessions: WorkerSessions, client: belay.Belay) -> None:
+    token, _, _ = claimed(sessions, client, capacity=2)
+    (held,) = sessions.leases.running()
 
-        def die() -> float:
-            raise Killed("the test killed the heartbeat")
+    def die() -> float:
+        raise Killed("the test killed the heartbeat")
 
-        sessions.leases.beat = die  # type: ignore[method-assign]
-        sessions.leases.wake()
-        wait_until(lambda: sessions.crashed is not None, "the heartbeat crashed")
-        assert held.ended == LOST
-        client.enqueue("parts.http")
-        with pytest.raises(Unavailable, match="heartbeat crashed"):
-            sessions.claim(token, "default", wait=0)
-        with pytest.raises(Unavailable, match="heartbeat crashed"):
-            sessions.register("rt2", ["parts.http"])
-    finally:
-        sessions.stop()
+    sessions.leases.beat = die  # type: ignore[method-assign]
+    sessions.leases.wake()
+    wait_until(lambda: sessions.crashed is not None, "the heartbeat crashed")
+    assert held.ended == LOST
+    client.enqueue("parts.http")
+    with pytest.raises(Unavailable, match="heartbeat crashed"):
+        sessions.claim(token, "default", wait=0)
+    with pytest.raises(Unavailable, match="heartbeat crashed"):
+        sessions.register("rt2", ["parts.http"])
 
 
 def test_a_lost_lease_reads_the_same_on_both_kinds_of_worker(
-        client: belay.Belay, clock: ManualClock, sql_conn: Any) -> None:
+        sessions: WorkerSessions, client: belay.Belay, sql_conn: Any) -> None:
     """One vocabulary: the HTTP session's execution ends "lost", as a thread's
     does, and the worker is told it "lost its lease"."""
-    sessions = WorkerSessions(client, lease_ttl=30.0)
-    try:
-        token = sessions.register("rt", ["parts.http"], 1, "default")
-        job = client.enqueue("parts.http")
-        event = sessions.claim(token, "default", wait=0)
-        assert event is not None
-        sql_conn.execute("UPDATE belay_jobs SET leased_by = 'someone-else' WHERE id = %s",
-                         (job.id,))
-        (lost,) = sessions.leases.renew()
-        assert lost.ended == LOST
-        from belay.http.workers import StaleExecution
-
-        with pytest.raises(StaleExecution, match="lost its lease"):
-            sessions.complete(token, event["execution_id"], "success")
-        assert sessions.leases.running() == []
-    finally:
-        sessions.stop()
+    token, job, event = claimed(sessions, client)
+    sql_conn.execute("UPDATE belay_jobs SET leased_by = 'someone-else' WHERE id = %s",
+                     (job.id,))
+    (lost,) = sessions.leases.renew()
+    assert lost.ended == LOST
+    with pytest.raises(StaleExecution, match="lost its lease"):
+        sessions.complete(token, event["execution_id"], "success")
+    assert sessions.leases.running() == []
 
 
 # -- The journal, public ---------------------------------------------------------------

@@ -157,7 +157,7 @@ class Leases:
     def heartbeat(self, service: Service) -> None:
         """The heartbeat service's loop (``belay-heartbeat``)."""
         self._next_renew = time.monotonic() + self.period
-        wait = self.period
+        wait = 0.0  # a first look now: executions may be held already
         while not service.wait(wait):
             try:
                 wait = self.beat()

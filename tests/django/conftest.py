@@ -48,8 +48,7 @@ def _configure() -> None:
 def forget_default() -> None:
     from belay_django import adapter as client_module
 
-    with belay._default_lock:
-        previous, belay._default = belay._default, None
+    previous = belay.defaults.swap(None)
     with client_module._lock:
         ours, client_module._client = client_module._client, None
     for instance in {id(x): x for x in (previous, ours) if x is not None}.values():
