@@ -138,7 +138,12 @@ class Leases:
         due = [e for e in self.running()
                if e.deadline is not None and now >= e.deadline and e.end(TIMEOUT)]
         for execution in due:
-            self._on_timeout(execution)
+            try:
+                self._on_timeout(execution)
+            except Exception:
+                # Its lease is no longer renewed: it lapses and reclaim fails the attempt.
+                log.exception("belay: failing timed-out job %d attempt %d failed",
+                              execution.job.id, execution.job.attempt)
         return due
 
     def beat(self) -> float:
