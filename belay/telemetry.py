@@ -90,7 +90,11 @@ class PrometheusMetrics:
         self.in_flight = Gauge("belay_jobs_in_flight",
                                "Executions running on this worker now.",
                                ["queue", "kind"], registry=None)
-        collectors: list[Any] = [self.started, self.finished, self.duration, self.in_flight]
+        self.crashes = Counter("belay_worker_crashes",
+                               "Background services of this worker that crashed (the worker "
+                               "then stops), by service.", ["service"], registry=None)
+        collectors: list[Any] = [self.started, self.finished, self.duration, self.in_flight,
+                                 self.crashes]
         if queue_depths:
             collectors.append(QueueDepths(worker, timeout=scrape_timeout))
         registered: list[Any] = []
@@ -110,6 +114,7 @@ class PrometheusMetrics:
         self._open: dict[tuple[int, int], tuple[str, str]] = {}
         worker.on_job_start(self.job_started)
         worker.on_job_end(self.job_ended)
+        worker.on_crash(self.crashed)
 
     def job_started(self, job: Job) -> None:
         """The ``on_job_start`` hook."""
@@ -128,6 +133,11 @@ class PrometheusMetrics:
             self.in_flight.labels(*opened).dec()
         self.finished.labels(job.queue, job.kind, end.outcome).inc()
         self.duration.labels(job.queue, job.kind, end.outcome).observe(end.duration)
+
+
+    def crashed(self, service: str, exc: BaseException) -> None:
+        """The ``on_crash`` hook."""
+        self.crashes.labels(service.removeprefix("belay-")).inc()
 
 
 def instrument(worker: Worker, registry: CollectorRegistry | None = None,

@@ -123,7 +123,7 @@ def test_register_returns_a_secret_token(http: TestClient, sessions: WorkerSessi
     token = body["worker_token"]
     assert len(token) >= 40 and body["session_ttl_s"] == 60.0
     assert token not in caplog.text
-    assert token not in repr(sessions._sessions)  # kept under its hash only
+    assert token not in repr(sessions._table.sessions)  # kept under its hash only
     assert [t.name for t in threading.enumerate()].count("belay-http-heartbeat") == 1
 
 

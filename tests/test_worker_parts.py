@@ -165,6 +165,29 @@ def test_a_dead_heartbeat_stops_the_worker_and_no_job_runs_twice(
         assert client.get_job(job.id).state == "succeeded"
 
 
+def test_a_crash_is_counted_in_the_metrics_and_the_stop_hooks_run(
+        client: belay.Belay) -> None:
+    pytest.importorskip("prometheus_client")
+    from belay.telemetry import PrometheusMetrics
+
+    worker = make_worker(client, belay.Registry())
+    metrics = PrometheusMetrics(worker, queue_depths=False)
+    stopped = threading.Event()
+    worker.on_stop(stopped.set)
+    worker.start()
+    try:
+        def die(service: Service) -> None:
+            raise Killed("the test killed the sweeper")
+
+        worker.supervisor.start("belay-sweeper-2", die)
+        assert stopped.wait(15)
+    finally:
+        worker.stop()
+    assert metrics.registry.get_sample_value(
+        "belay_worker_crashes_total", {"service": "sweeper-2"}) == 1.0
+    assert isinstance(worker.crashed, Killed)
+
+
 def test_belay_worker_exits_non_zero_when_its_heartbeat_dies(db_url: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "belay", "worker", "--url", db_url, "--import",

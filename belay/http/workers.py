@@ -327,6 +327,85 @@ class _Session:
         return [e for e in self.executions.values() if e.ended is None]
 
 
+class _SessionTable:
+    """The live sessions, by token hash, and their expiry (``lock`` is the
+    sessions' lock, shared). ``release(session)`` lets go of a gone
+    session's leases (called without the lock)."""
+
+    def __init__(self, lock: threading.Lock, clock: Callable[[], float], session_ttl: float,
+                 release: Callable[[_Session], None]) -> None:
+        self._lock = lock
+        self._clock = clock
+        self.session_ttl = session_ttl
+        self._release = release
+        self.sessions: dict[str, _Session] = {}
+
+    def add(self, session: _Session) -> None:
+        with self._lock:
+            self.sessions[session.key] = session
+
+    def get(self, token: Any, *, touch: bool = False) -> _Session:
+        """The live session of ``token``, else :class:`Unauthorized`."""
+        if not isinstance(token, str) or not token:
+            raise Unauthorized("a worker token is required: Authorization: Bearer <worker_token>"
+                               " from POST /workers")
+        key = token_key(token)  # a dict lookup by hash: no timing signal about the token
+        with self._lock:
+            session = self.sessions.get(key)
+            expired = session is not None and self.expired(session)
+            if session is not None and expired:
+                self._drop(session, "expired")
+            if touch and session is not None and not expired:
+                session.last_seen = self._clock()
+        if session is None or expired:
+            if session is not None:
+                self._release(session)
+            raise Unauthorized("unknown or expired worker token; register again with "
+                               "POST /workers")
+        return session
+
+    def pop(self, token: str) -> _Session:
+        """End ``token``'s session (closed); else :class:`Unauthorized`."""
+        with self._lock:
+            session = self.sessions.pop(token_key(token), None)
+            if session is None:
+                raise Unauthorized("unknown or expired worker token; register again")
+            session.closed = True
+        self._release(session)
+        return session
+
+    def expired(self, session: _Session) -> bool:
+        return (not session.claiming
+                and self._clock() - session.last_seen > self.session_ttl)
+
+    def expire(self) -> None:
+        """Drop every session that sent no claim for ``session_ttl``."""
+        with self._lock:
+            gone = [s for s in self.sessions.values() if self.expired(s)]
+            for session in gone:
+                self._drop(session, f"sent no claim for {self.session_ttl:g}s and expired")
+        for session in gone:
+            self._release(session)
+
+    def clear(self) -> None:
+        with self._lock:
+            sessions = list(self.sessions.values())
+            self.sessions.clear()
+        for session in sessions:
+            self._release(session)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.sessions)
+
+    def _drop(self, session: _Session, why: str) -> None:
+        """Forget a session (lock held): its leases are no longer renewed once released."""
+        self.sessions.pop(session.key, None)
+        session.closed = True
+        log.warning("belay: HTTP worker %s %s; %d in-flight execution(s) left to lease expiry "
+                    "and reclaim", session.node_id, why, len(session.live()))
+
+
 class WorkerSessions:
     """HTTP worker sessions over one :class:`belay.Belay` (thread-safe).
 
@@ -360,7 +439,7 @@ class WorkerSessions:
         self.reclaim_interval = reclaim_interval
         self._clock = clock
         self._lock = threading.Lock()
-        self._sessions: dict[str, _Session] = {}
+        self._table = _SessionTable(self._lock, clock, self.session_ttl, self._release)
         self._stopped = threading.Event()
         self.leases = Leases("http", self.lease_ttl, self._db, client.clock.now,
                              on_timeout=self._timed_out, clock=clock)
@@ -385,10 +464,7 @@ class WorkerSessions:
         self._stopped.set()
         with self._lock:
             service, self._service = self._service, None
-            sessions = list(self._sessions.values())
-            self._sessions.clear()
-        for session in sessions:
-            self._release(session)
+        self._table.clear()
         if service is not None:
             service.stop()
             service.join()
@@ -416,8 +492,7 @@ class WorkerSessions:
         token = secrets.token_urlsafe(32)
         node_id = f"http:{reg.runtime_id[:64]}/{uuid.uuid4().hex[:12]}"
         session = _Session(token_key(token), reg, node_id, self._clock())
-        with self._lock:
-            self._sessions[session.key] = session
+        self._table.add(session)
         self.start()
         log.info("belay: HTTP worker %s registered (runtime %r, queue %r, tasks %s, "
                  "capacity %d)", node_id, reg.runtime_id, reg.queue, sorted(reg.tasks),
@@ -433,10 +508,10 @@ class WorkerSessions:
 
     def authenticate(self, token: str) -> None:
         """Raise :class:`Unauthorized` unless ``token`` is a live session's (no I/O)."""
-        self._session(token)
+        self._table.get(token)
 
     def session_info(self, token: str) -> dict[str, Any]:
-        session = self._session(token)
+        session = self._table.get(token)
         return {"runtime_id": session.registration.runtime_id,
                 "queue": session.registration.queue,
                 "tasks": sorted(session.registration.tasks),
@@ -444,7 +519,7 @@ class WorkerSessions:
 
     def claim(self, token: str, queue: str, wait: float = MAX_WAIT) -> dict[str, Any] | None:
         """One execute event for this session, or None after ``wait`` seconds without one."""
-        session = self._session(token, touch=True)
+        session = self._table.get(token, touch=True)
         if queue != session.registration.queue:
             raise InvalidRequest(f"this worker registered for queue "
                                  f"{session.registration.queue!r}, not {queue!r}; claim "
@@ -475,7 +550,7 @@ class WorkerSessions:
             interval = min(interval * 2, POLL_CAP)
 
     def started(self, token: str, execution_id: str) -> None:
-        session = self._session(token)
+        session = self._table.get(token)
         with self._lock:
             self._execution(session, execution_id)
             session.started.add(execution_id)
@@ -486,7 +561,7 @@ class WorkerSessions:
 
         Raises :class:`StaleExecution` (nothing written) when the execution is not
         this session's, already completed, or its attempt is no longer the job's."""
-        session = self._session(token)
+        session = self._table.get(token)
         with self._lock:
             execution = self._execution(session, execution_id)
         job = execution.job
@@ -512,13 +587,7 @@ class WorkerSessions:
 
     def close(self, token: str) -> None:
         """End a session; its in-flight jobs' leases lapse and reclaim retries them."""
-        key = token_key(token)
-        with self._lock:
-            session = self._sessions.pop(key, None)
-            if session is None:
-                raise Unauthorized("unknown or expired worker token; register again")
-            session.closed = True
-        self._release(session)
+        session = self._table.pop(token)
         log.info("belay: HTTP worker %s closed (%d execution(s) left to lease expiry)",
                  session.node_id, len(session.live()))
 
@@ -531,41 +600,9 @@ class WorkerSessions:
                 lambda job: safe_delay(job_backoff(job), job.attempt), self._poke, limit)
 
     def sessions(self) -> int:
-        with self._lock:
-            return len(self._sessions)
+        return len(self._table)
 
     # -- Internals ---------------------------------------------------------------------
-
-    def _session(self, token: Any, *, touch: bool = False) -> _Session:
-        if not isinstance(token, str) or not token:
-            raise Unauthorized("a worker token is required: Authorization: Bearer <worker_token>"
-                               " from POST /workers")
-        key = token_key(token)  # a dict lookup by hash: no timing signal about the token
-        with self._lock:
-            session = self._sessions.get(key)
-            expired = session is not None and self._expired(session)
-            if session is not None and expired:
-                self._drop(session, "expired")
-            if touch and session is not None and not expired:
-                session.last_seen = self._clock()
-        if session is None or expired:
-            if session is not None:
-                self._release(session)
-            raise Unauthorized("unknown or expired worker token; register again with "
-                               "POST /workers")
-        return session
-
-    def _expired(self, session: _Session) -> bool:
-        return (not session.claiming
-                and self._clock() - session.last_seen > self.session_ttl)
-
-    def _drop(self, session: _Session, why: str) -> None:
-        """Forget a session (lock held): its leases are no longer renewed once
-        :meth:`_release` lets go of them."""
-        self._sessions.pop(session.key, None)
-        session.closed = True
-        log.warning("belay: HTTP worker %s %s; %d in-flight execution(s) left to lease expiry "
-                    "and reclaim", session.node_id, why, len(session.live()))
 
     def _release(self, session: _Session) -> None:
         """Stop renewing a gone session's leases (lock not held)."""
@@ -669,7 +706,7 @@ class WorkerSessions:
         while not service.wait(wait):
             wait = min(self.leases.period, 0.5, self.session_ttl / 4)
             try:
-                self._expire()
+                self._table.expire()
                 wait = min(wait, self.leases.beat())
                 if self.reclaim_interval is not None and time.monotonic() >= next_reclaim:
                     self.reclaim()
@@ -679,18 +716,9 @@ class WorkerSessions:
 
     def tick(self) -> None:
         """One heartbeat pass now (expiry, timeouts, renewal): for tests and shutdown."""
-        self._expire()
+        self._table.expire()
         self.leases.enforce_timeouts()
         self.leases.renew()
-
-    def _expire(self) -> None:
-        with self._lock:
-            gone = [s for s in self._sessions.values() if self._expired(s)]
-            for session in gone:
-                self._drop(session, f"sent no claim for {self.session_ttl:g}s and expired")
-        for session in gone:
-            self._release(session)
-
 
 def _spec(conn: store.Conn, queue: str) -> QueueSpec:
     """The queue's effective options: its ``belay_queues`` row, else the defaults."""
