@@ -105,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="serve Prometheus metrics on 127.0.0.1:PORT/metrics "
                           "(needs the 'metrics' extra)")
     run.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
+    run.add_argument("--executor-socket", nargs="?", const=True, default=None, metavar="PATH",
+                     help="also serve executors in other processes on a Unix-domain socket "
+                          "(Executor Protocol v1); without PATH: $BELAY_SOCKET_PATH, then "
+                          "the default places (docs/executors.md)")
+    run.add_argument("--executor-socket-mode", default="0600", choices=("0600", "0660"),
+                     help="the socket's mode: 0600 (this user) or 0660 (and its group)")
 
     def with_key(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--encryption-key-file", default=None, metavar="PATH",
@@ -581,11 +587,13 @@ def _worker(args: argparse.Namespace, secrets: Sequence[str]) -> int:
         queues, client=client, notify=args.notify, lease_ttl=args.lease_ttl,
         poll_interval=args.poll_interval, busy_poll=min(args.busy_poll, args.poll_interval),
         sweep_interval=args.sweep_interval, shutdown_grace=args.shutdown_grace,
-        node_id=args.node_id,
+        node_id=args.node_id, executor_socket=args.executor_socket,
+        executor_socket_mode=int(args.executor_socket_mode, 8),
     )
-    if not len(worker.registry):
+    if not len(worker.registry) and worker.executors is None:
         print("belay: no workers registered: pass --import with the module that defines "
-              "your @belay.worker functions", file=sys.stderr)
+              "your @belay.worker functions, or --executor-socket to serve executors in "
+              "other processes", file=sys.stderr)
         return 2
     if args.metrics_port is not None:
         from belay.telemetry import start_metrics

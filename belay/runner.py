@@ -42,6 +42,7 @@ from belay.parts.producer import HOT_WINDOW, IDLE_BACKSTOP, Producers, claim_job
 from belay.parts.queueconfig import QueueConfig
 from belay.parts.running import JobRunner, Middleware
 from belay.parts.service import Service, Supervisor
+from belay.parts.sockets import ExecutorServer
 from belay.queues import QueueSpec, parse_queues
 from belay.registry import DEFAULT_REGISTRY, Registry
 from belay.retention import DEFAULT_SIGNAL_TTL, keep_ok, parse_retention
@@ -124,6 +125,8 @@ class Worker:
         retention: Mapping[str, float | None] | None = None,
         signal_ttl: float | None = DEFAULT_SIGNAL_TTL,
         node_id: str | None = None,
+        executor_socket: str | os.PathLike[str] | bool | None = None,
+        executor_socket_mode: int = 0o600,
     ) -> None:
         self.queues = parse_queues(queues)
         _check(lease_ttl=lease_ttl, poll_interval=poll_interval, busy_poll=busy_poll,
@@ -189,7 +192,17 @@ class Worker:
             connection=self.pools.connection, now=self._now, hold=self.leases.hold,
             submit=self.executor.submit, return_unknown=self.runner.return_unknown,
             on_crash=self.supervisor.report,
+            # Beside executors on the socket, this process claims only its own kinds.
+            kinds=None if executor_socket is None else self.registry.kinds,
         )
+        #: Executors on a Unix-domain socket (docs/executors.md), when asked for:
+        #: ``executor_socket=True`` takes the default path.
+        self.executors: ExecutorServer | None = None
+        if executor_socket is not None and executor_socket is not False:
+            self.executors = ExecutorServer(
+                self.client, list(self.queues),
+                path=None if executor_socket is True else executor_socket,
+                mode=executor_socket_mode, lease_ttl=self.lease_ttl)
         self.maintenance = Maintenance(
             self.pools.connection, self._now, backoff=registry_backoff(self.registry),
             announce=self.completer.announce, poke=self.completer.poke, keep=self.retention,
@@ -229,8 +242,8 @@ class Worker:
         """Wrap every run of a job's function: ``layer(contexts, call)`` runs on
         the executor thread, must call ``call()`` once and return what it
         returns (a chunk's ``contexts`` hold all its jobs). What it raises is the
-        job's error. Added layers wrap the earlier ones' calls from outside in,
-        in the order added; usable as a decorator. See docs/worker.md."""
+        job's error. The first layer added is the outermost; usable as a
+        decorator. See docs/worker.md."""
         self.runner.middleware.append(layer)
         return layer
 
@@ -256,6 +269,8 @@ class Worker:
             self._apply(specs)
             self.supervisor.start("belay-sweeper", self.maintenance.sweep)
             self.supervisor.start("belay-queues", self._sync_loop)
+            if self.executors is not None:
+                self.executors.start()
             listen = self.client.listen_conninfo
             if self.notify and listen is not None:
                 from belay.notify import Listener
@@ -280,6 +295,8 @@ class Worker:
             services = self.supervisor.take()
         grace = self.shutdown_grace if grace is None else grace
         self.cron.stop()
+        if self.executors is not None:
+            self.executors.stop()
         for service in services:
             if service.name == "belay-queues":
                 service.stop()
@@ -489,5 +506,9 @@ class Worker:
                          return_unknown=self.runner.return_unknown, max_jobs=max_jobs)
 
     def _claim_jobs(self, spec: QueueSpec, demand: int) -> list[Job]:
+        kinds = None if self.producers.kinds is None else self.producers.kinds()
+        if kinds == []:
+            return []
         with self.pools.connection() as conn:
-            return claim_jobs(conn, spec, demand, self.node_id, self._now, self.lease_ttl)
+            return claim_jobs(conn, spec, demand, self.node_id, self._now, self.lease_ttl,
+                              kinds=kinds)

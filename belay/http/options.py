@@ -27,6 +27,7 @@ from belay.codec import parse_text
 from belay.enqueue import JobSpec, Unique, build_row
 from belay.errors import ValidationError
 from belay.http.errors import ApiError, invalid
+from belay.parts.remote import BACKOFF_META, TIMEOUT_META
 
 BODY_FIELDS: Final = frozenset({"task", "args", "options"})
 OPTIONS: Final = frozenset({
@@ -34,8 +35,6 @@ OPTIONS: Final = frozenset({
     "timeout_ms", "queue", "priority", "budget", "backoff", "durability",
 })
 #: Meta keys the HTTP worker protocol reads (reserved: ``$`` is belay's prefix).
-TIMEOUT_META: Final = "$timeout_ms"
-BACKOFF_META: Final = "$backoff"
 
 MAX_TIMEOUT_MS: Final = 86_400_000  # one day, the seed's bound
 MAX_DELAY_MS: Final = 10 * 365 * 86_400_000  # ten years

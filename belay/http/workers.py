@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import secrets
 import threading
@@ -44,7 +43,6 @@ from belay.errors import UNAVAILABLE, ConfigurationError, ValidationError, datab
 from belay.http.app import read_body
 from belay.http.errors import ApiError
 from belay.http.options import (
-    BACKOFF_META,
     MAX_JSON_DEPTH,
     check_json,
     parse_json,
@@ -53,21 +51,18 @@ from belay.http.options import (
 )
 from belay.job import Job
 from belay.outcome import (
-    MESSAGE_LIMIT,
     RETURN_SNOOZE,
-    TRACEBACK_LIMIT,
     Outcome,
-    decide,
-    default_backoff,
     retry_or_fail,
     safe_delay,
-    storable,
 )
+from belay.parts import remote
 from belay.parts.completer import ack_on
 from belay.parts.execution import ACKED, ENDINGS, Execution
 from belay.parts.leases import Leases, timeout_outcome
 from belay.parts.maintenance import RECLAIM_LIMIT, reclaim_expired
 from belay.parts.producer import claim_jobs
+from belay.parts.remote import ReportRefused, job_backoff, timeout_of
 from belay.parts.service import Service
 from belay.queues import QueueSpec
 from belay.queues import merge as merge_queues
@@ -79,30 +74,14 @@ log = logging.getLogger("belay.http")
 MAX_TTL = 86_400.0
 
 
-def job_backoff(job: Job) -> Callable[[int], float]:
-    """The retry delay of ``job``: its own ``$backoff`` (``{"type":
-    "exponential", "base_ms", "max_ms"}``, set by an HTTP producer's
-    ``backoff`` option) — base_ms doubled per attempt up to max_ms — else
-    belay's default backoff."""
-    spec = job.meta.get(BACKOFF_META) if isinstance(job.meta, Mapping) else None
-    if isinstance(spec, Mapping) and spec.get("type") == "exponential":
-        base, top = spec.get("base_ms"), spec.get("max_ms")
-        if (isinstance(base, int) and isinstance(top, int) and not isinstance(base, bool)
-                and not isinstance(top, bool) and 0 < base <= top):
-            return lambda attempt: min(top, base * 2 ** min(max(attempt - 1, 0), 62)) / 1000
-    return default_backoff
-
 #: The longest a claim long-polls, in seconds (the seed's bound).
 MAX_WAIT = 20.0
 MAX_CAPACITY = 256
-#: The largest ``error`` object a failure may report, JSON-encoded.
-MAX_ERROR_BYTES = 16_384
 #: Seconds between polls of an idle queue while a claim waits: doubling up to the cap.
 POLL_FIRST, POLL_CAP = 0.02, 0.5
 
 _REGISTER_KEYS = {"runtime_id", "tasks", "capacity", "queue"}
 _COMPLETE_KEYS = {"execution_id", "outcome", "result", "error", "reservation_id"}
-_ERROR_KEYS = {"message", "type", "traceback", "details"}
 
 
 # -- Errors the routes map onto HTTP --------------------------------------------------
@@ -205,33 +184,24 @@ def execution_id_of(body: Any) -> str:
 
 
 def error_entry(error: Any, attempt: int) -> dict[str, Any]:
-    """A failure's bounded ``error`` object → a belay ``errors`` entry
-    (``{"error": "Type: message", "attempt": n, ...}``, as the Python worker writes)."""
-    if not isinstance(error, Mapping) or not isinstance(error.get("message"), str):
-        raise InvalidRequest('a failure needs an error object like {"message": "...", '
-                             '"type": "...", "traceback": "...", "details": {...}}')
-    unknown = sorted(set(error) - _ERROR_KEYS)
-    if unknown:
-        raise InvalidRequest(f"unknown error field(s) {', '.join(unknown)}; an error takes "
-                             f"{', '.join(sorted(_ERROR_KEYS))}")
-    _json_value(error.get("details"), "error.details")
-    if len(json.dumps(error)) > MAX_ERROR_BYTES:
-        raise InvalidRequest(f"the error object is larger than {MAX_ERROR_BYTES} bytes as "
-                             "JSON; shorten the traceback or details")
-    kind, trace = error.get("type"), error.get("traceback")
-    if kind is not None and not isinstance(kind, str):
-        raise InvalidRequest(f"error.type must be a string, got {kind!r}")
-    if trace is not None and not isinstance(trace, str):
-        raise InvalidRequest(f"error.traceback must be a string, got {trace!r}")
-    message = error["message"][:MESSAGE_LIMIT]
-    entry: dict[str, Any] = {
-        "error": storable(f"{kind}: {message}" if kind else message), "attempt": attempt,
-    }
-    if trace:
-        entry["traceback"] = storable(trace[-TRACEBACK_LIMIT:])
-    if error.get("details") is not None:
-        entry["details"] = error["details"]
-    return entry
+    """A failure's ``error`` object → a belay ``errors`` entry
+    (:func:`belay.parts.remote.error_entry`), refused with a 400."""
+    try:
+        return remote.error_entry(
+            error, attempt, check_details=lambda details: _json_value(details, "error.details"))
+    except ReportRefused as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def reported(job: Job, outcome: str, result: Any, error: Any, now: datetime) -> Outcome:
+    """What an HTTP worker's completion means for the job."""
+    if outcome == "failure":
+        return retry_or_fail(error_entry(error, job.attempt), job.attempt, job.max_attempts,
+                             now, job_backoff(job))
+    try:
+        return remote.reported(job, outcome, result, error, now)
+    except ReportRefused as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def parse_completion(body: Any) -> tuple[str, str, Any, Any]:
@@ -262,17 +232,6 @@ def _json_value(value: Any, what: str, *, nul: bool = False) -> None:
         raise InvalidRequest(exc.message) from None
 
 
-def reported(job: Job, outcome: str, result: Any, error: Any, now: datetime) -> Outcome:
-    """What an HTTP worker's completion means for the job (:mod:`belay.outcome`)."""
-    if outcome == "success":
-        return decide(returned=result, attempt=job.attempt, max_attempts=job.max_attempts,
-                      now=now, backoff=job_backoff(job))
-    if outcome == "failure":
-        return retry_or_fail(error_entry(error, job.attempt), job.attempt, job.max_attempts,
-                             now, job_backoff(job))
-    raise InvalidRequest(f'outcome must be "success" or "failure", got {outcome!r}')
-
-
 def token_key(token: str) -> str:
     """Sessions are kept under a hash of their token: the token itself is never stored."""
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
@@ -285,13 +244,6 @@ def execute_event(execution_id: str, job: Job, timeout_ms: int | None,
             "task": job.kind, "args": job.input, "attempt": job.attempt,
             "max_attempts": job.max_attempts, "timeout_ms": timeout_ms,
             "queue": job.queue, "lease_ttl_ms": int(lease_ttl * 1000)}
-
-
-def timeout_of(job: Job) -> int | None:
-    value = job.meta.get("$timeout_ms") if isinstance(job.meta, Mapping) else None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return None
-    return value
 
 
 # -- Sessions ---------------------------------------------------------------------------

@@ -133,8 +133,12 @@ class Producer:
 
     def claim(self, demand: int) -> int:
         p = self._set
+        kinds = None if p.kinds is None else p.kinds()
+        if kinds == []:
+            return 0
         with p.connection() as conn:
-            jobs = claim_jobs(conn, self.spec, demand, p.node_id, p.now, p.lease_ttl)
+            jobs = claim_jobs(conn, self.spec, demand, p.node_id, p.now, p.lease_ttl,
+                              kinds=kinds)
         for job in jobs:
             definition = p.registry.get(job.kind)
             if definition is None:
@@ -211,8 +215,12 @@ class Producers:
         submit: Callable[[Work], None],
         return_unknown: Callable[[Job], None],
         on_crash: Callable[[Service, BaseException], None],
+        kinds: Callable[[], list[str]] | None = None,
     ) -> None:
         self.registry = registry
+        #: When set, the kinds claims are limited to (executors of other
+        #: kinds share the queues on the socket).
+        self.kinds = kinds
         self.node_id = node_id
         self.lease_ttl = lease_ttl
         self.poll_interval = poll_interval

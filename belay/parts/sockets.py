@@ -1,0 +1,498 @@
+"""Executors on a Unix-domain socket (Executor Protocol v1, :mod:`belay.protocol`).
+
+The server claims, leases, renews and acks as the Python worker does — the
+same :func:`~belay.parts.producer.claim_jobs`, :class:`~belay.parts.leases.Leases`
+and :func:`~belay.parts.completer.ack_on` — and hands each claimed job to an
+executor connected on the socket that registered its task:
+
+1. an executor connects and sends ``hello`` (``mode: "worker"``, its
+   ``runtime_id``, ``max_concurrency``) → ``hello_ok``; then
+   ``register_tasks`` (and ``unregister_tasks``) → ``ok``;
+2. ``belay-executor-dispatch`` claims jobs of those tasks up to the free
+   capacity of each connection (each connection is a node of its own,
+   ``socket:<runtime>/<id>``) and sends ``execute`` with the job id, task,
+   args, attempt, ``timeout_ms``, and a reservation and an execution id;
+3. the executor answers ``started``, then ``succeeded`` with a JSON
+   ``result`` or ``failed`` with an ``error`` object, repeating both ids →
+   ``ok`` with the job's state, or an ``error`` (``stale_execution``,
+   ``invalid_request``, ``unavailable``);
+4. past its timeout, the attempt is failed and the executor is sent
+   ``cancel_execution`` (best effort).
+
+A connection that closes — or sends a broken frame, which closes it — gives
+its in-flight jobs back at once without using an attempt (a snooze): an
+infrastructure interruption, not the job's failure. Other connections are
+untouched. Producer requests (``enqueue``, ``status``…) are not served on the
+socket: use the client or the HTTP API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from belay import protocol, socketpath, store
+from belay.client import Belay
+from belay.errors import BelayError
+from belay.job import Job
+from belay.outcome import Outcome
+from belay.parts.completer import ack_on
+from belay.parts.execution import ACKED, LOST, Execution
+from belay.parts.leases import Leases, timeout_outcome
+from belay.parts.producer import claim_jobs
+from belay.parts.remote import ReportRefused, job_backoff, reported, timeout_of
+from belay.parts.service import Service
+from belay.queues import QueueSpec
+from belay.queues import merge as merge_queues
+
+log = logging.getLogger("belay.executors")
+
+#: How long the dispatcher sleeps when no queue had work (a completion or a
+#: registration wakes it sooner).
+IDLE_WAIT = 0.5
+#: How long it sleeps between rounds that found work.
+BUSY_WAIT = 0.005
+
+
+@dataclass
+class _Running:
+    execution: Execution
+    reservation_id: str
+    started: bool = False
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    number: int
+    runtime_id: str = ""
+    node_id: str = ""
+    capacity: int = 0
+    tasks: set[str] = field(default_factory=set)
+    running: dict[str, _Running] = field(default_factory=dict)
+    closed: bool = False
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def ready(self) -> bool:
+        return not self.closed and self.capacity > 0 and bool(self.tasks)
+
+    def free(self) -> int:
+        return self.capacity - len(self.running)
+
+
+class ExecutorServer:
+    """Serves executors on ``path`` for the jobs of ``queues``."""
+
+    def __init__(
+        self,
+        client: Belay,
+        queues: Sequence[str],
+        *,
+        path: str | os.PathLike[str] | None = None,
+        mode: int = 0o600,
+        lease_ttl: float = 30.0,
+        max_frame_bytes: int = protocol.MAX_FRAME_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if mode not in socketpath.MODES:
+            raise socketpath.SocketPathError(
+                f"the socket's mode is 0600 or 0660, got {mode:04o}")
+        self.client = client
+        self.queues = list(queues)
+        self.resolved = socketpath.resolve(path)
+        self.mode = mode
+        self.max_frame_bytes = max_frame_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._connections: dict[int, _Connection] = {}
+        self._numbers = itertools.count(1)
+        self.leases = Leases("socket", lease_ttl, client.connection, client.clock.now,
+                             on_timeout=self._timed_out, clock=clock)
+        self._listener: socket.socket | None = None
+        self._services: list[Service] = []
+        self._dispatch: Service | None = None
+        #: What killed a service of the server, once one died: no more dispatch.
+        self.crashed: BaseException | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.resolved.path
+
+    # -- Lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Listen on the socket and start serving; raises SocketPathError when the
+        path can't be used (the message names it and the fix)."""
+        socketpath.prepare(self.resolved)
+        self._listener = socketpath.listen(self.path, self.mode)
+        self._dispatch = self._service("belay-executor-dispatch", self._dispatch_loop)
+        self.leases.service = self._service("belay-executor-heartbeat", self.leases.heartbeat)
+        self._service("belay-executor-accept", self._accept_loop)
+        log.info("belay: executors served on %s (mode %04o)", self.path, self.mode)
+
+    def stop(self) -> None:
+        """Stop serving: every connection closes (its jobs go back to their
+        queues), then the socket file is removed."""
+        services, self._services = self._services, []
+        for service in services:
+            service.stop()
+        with self._lock:
+            connections = list(self._connections.values())
+        for connection in connections:
+            self._close(connection, "the worker is stopping")
+        for service in services:
+            service.join(5.0)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    def _service(self, name: str, body: Callable[[Service], None]) -> Service:
+        service = Service(name, body, on_crash=self._service_crashed).start()
+        self._services.append(service)
+        return service
+
+    def _service_crashed(self, service: Service, exc: BaseException) -> None:
+        self.crashed = exc
+        lost = self.leases.lose_all()
+        log.critical("belay: the executor server's %s crashed; it dispatches no more and "
+                     "executions %s are lost", service.name, [e.job.id for e in lost])
+
+    def __enter__(self) -> ExecutorServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    # -- Connections ---------------------------------------------------------------------
+
+    def _accept_loop(self, service: Service) -> None:
+        listener = self._listener
+        assert listener is not None
+        while not service.stopping:
+            readable, _, _ = select.select([listener], [], [], 0.2)
+            if not readable:
+                continue
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                if service.stopping:
+                    return
+                raise
+            connection = _Connection(sock, next(self._numbers))
+            with self._lock:
+                self._connections[connection.number] = connection
+            threading.Thread(target=self._serve, args=(connection,), daemon=True,
+                             name=f"belay-executor-conn-{connection.number}").start()
+
+    def _serve(self, connection: _Connection) -> None:
+        reader = protocol.FrameReader(self.max_frame_bytes)
+        why = "it closed"
+        try:
+            while not connection.closed:
+                data = connection.sock.recv(65536)
+                if not data:
+                    break
+                for message in reader.feed(data):
+                    self._handle(connection, message)
+        except protocol.ProtocolError as exc:
+            why = f"it sent a broken frame ({exc})"
+        except OSError as exc:
+            why = f"its socket failed ({exc.strerror or exc})"
+        except _Refused as exc:
+            why = str(exc)
+        finally:
+            self._close(connection, why)
+
+    def _close(self, connection: _Connection, why: str) -> None:
+        """Close once; give its in-flight jobs back without using an attempt."""
+        with self._lock:
+            if connection.closed:
+                return
+            connection.closed = True
+            self._connections.pop(connection.number, None)
+            running = list(connection.running.values())
+            connection.running.clear()
+        with contextlib.suppress(OSError):
+            connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.sock.close()
+        back = 0
+        for item in running:
+            execution = item.execution
+            self.leases.release(execution)
+            if execution.end(LOST):
+                back += self._give_back(execution.job)
+        if connection.runtime_id:
+            log.info("belay: executor %s disconnected (%s); %d job(s) back to their queues",
+                     connection.node_id, why, back)
+
+    def _give_back(self, job: Job) -> int:
+        """Snooze the claimed attempt back, due now: not an attempt used."""
+        now = self.client.clock.now()
+        try:
+            with self.client.connection() as conn:
+                acked = ack_on(conn, job, Outcome("snooze", at=now), now, self._announce)
+        except (psycopg.Error, BelayError):
+            log.warning("belay: giving job %d back failed; its lease lapses and reclaim "
+                        "retries it", job.id, exc_info=True)
+            return 0
+        return 0 if acked is None else 1
+
+    def _send(self, connection: _Connection, message: dict[str, Any]) -> bool:
+        frame = protocol.encode(message, self.max_frame_bytes)
+        try:
+            with connection.send_lock:
+                connection.sock.sendall(frame)
+        except OSError:
+            return False
+        return True
+
+    # -- Requests --------------------------------------------------------------------------
+
+    def _handle(self, connection: _Connection, message: dict[str, Any]) -> None:
+        kind, request_id = message["type"], message["request_id"]
+        if not connection.runtime_id:
+            self._hello(connection, message)
+            return
+        if kind == "hello":
+            raise _Refused("it sent hello twice")
+        try:
+            reply = self._answer(connection, kind, message)
+        except ReportRefused as exc:
+            reply = protocol.error(request_id, "invalid_request", str(exc))
+        except _Stale as exc:
+            reply = protocol.error(request_id, "stale_execution", str(exc))
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            reply = protocol.error(request_id, "unavailable",
+                                   f"the database is unavailable ({type(exc).__name__}); "
+                                   "report it again")
+        self._send(connection, reply)
+
+    def _hello(self, connection: _Connection, message: dict[str, Any]) -> None:
+        request_id = message["request_id"]
+        try:
+            hello = protocol.parse_hello(message)
+        except ValueError as exc:
+            self._send(connection, protocol.error(request_id, "invalid_request", str(exc)))
+            raise _Refused(f"its hello was refused ({exc})") from None
+        if hello.mode != "worker":
+            text = ("this socket serves executors (mode \"worker\"); enqueue and read jobs "
+                    "with the client or the HTTP API")
+            self._send(connection, protocol.error(request_id, "unsupported", text))
+            raise _Refused("it is not an executor")
+        with self._lock:
+            connection.runtime_id = hello.runtime_id
+            connection.node_id = f"socket:{hello.runtime_id[:64]}/{uuid.uuid4().hex[:12]}"
+            connection.capacity = hello.max_concurrency
+        self._send(connection, protocol.message("hello_ok", request_id,
+                                                node_id=connection.node_id))
+        log.info("belay: executor %s connected (capacity %d)", connection.node_id,
+                 hello.max_concurrency)
+
+    def _answer(self, connection: _Connection, kind: str,
+                message: dict[str, Any]) -> dict[str, Any]:
+        request_id = message["request_id"]
+        if kind in ("register_tasks", "unregister_tasks"):
+            tasks = message.get("tasks")
+            if not isinstance(tasks, list) or not all(
+                    isinstance(t, str) and 0 < len(t.encode("utf-8", "surrogatepass")) <= 255
+                    for t in tasks):
+                raise ReportRefused("tasks must be a list of task names (1 to 255 bytes each)")
+            with self._lock:
+                if kind == "register_tasks":
+                    connection.tasks.update(tasks)
+                else:
+                    connection.tasks.difference_update(tasks)
+                registered = sorted(connection.tasks)
+            self._wake()
+            return protocol.message("ok", request_id, tasks=registered)
+        if kind == "started":
+            self._running(connection, message).started = True
+            return protocol.message("ok", request_id)
+        if kind in ("succeeded", "failed"):
+            return self._complete(connection, kind, message)
+        raise ReportRefused(f"an executor does not send {kind!r}")
+
+    def _running(self, connection: _Connection, message: dict[str, Any]) -> _Running:
+        execution_id, reservation_id = message.get("execution_id"), message.get("reservation_id")
+        with self._lock:
+            found = connection.running.get(execution_id) if isinstance(execution_id, str) \
+                else None
+        if found is None or found.reservation_id != reservation_id:
+            raise _Stale(f"execution {execution_id!r} with reservation {reservation_id!r} is "
+                         "not in flight on this connection (completed, reclaimed, or never "
+                         "sent here)")
+        if found.execution.ended is not None:
+            self._forget(connection, str(execution_id))
+            raise _Stale(f"execution {execution_id!r} ended here ({found.execution.ended}); "
+                         "its outcome is discarded")
+        return found
+
+    def _complete(self, connection: _Connection, kind: str,
+                  message: dict[str, Any]) -> dict[str, Any]:
+        item = self._running(connection, message)
+        execution, job = item.execution, item.execution.job
+        now = self.client.clock.now()
+        decided = reported(job, "success" if kind == "succeeded" else "failure",
+                           message.get("result"), message.get("error"), now)
+        if not execution.end(ACKED):
+            raise _Stale(f"execution {message['execution_id']!r} ended here "
+                         f"({execution.ended}); its outcome is discarded")
+        try:
+            with self.client.connection() as conn:
+                acked = ack_on(conn, job, decided, self.client.clock.now(), self._announce)
+        except BaseException:
+            execution.reopen(ACKED)  # nothing written: the executor may report it again
+            raise
+        self._forget(connection, message["execution_id"])
+        if acked is None:
+            raise _Stale(f"job {job.id} attempt {job.attempt} was reclaimed or finished "
+                         "meanwhile; this outcome was discarded")
+        return protocol.message("ok", message["request_id"], job_id=job.id,
+                                state=acked.job.state, attempt=job.attempt)
+
+    def _forget(self, connection: _Connection, execution_id: str) -> None:
+        with self._lock:
+            item = connection.running.pop(execution_id, None)
+        if item is not None:
+            self.leases.release(item.execution)
+            self._wake()
+
+    def _announce(self, conn: store.Conn, acked: store.Acked) -> None:
+        results = [acked.job.id] if acked.job.terminal else []
+        self.client.poke(conn, {q for _, q in acked.settled.ready},
+                         results + acked.settled.cancelled)
+
+    def _timed_out(self, execution: Execution) -> None:
+        job = execution.job
+        with self.client.connection() as conn:
+            ack_on(conn, job, timeout_outcome(execution, self.client.clock.now(),
+                                              job_backoff(job)),
+                   self.client.clock.now(), self._announce)
+        connection: _Connection | None = execution.owner
+        if connection is None:
+            return
+        with self._lock:
+            ids = [i for i, r in connection.running.items() if r.execution is execution]
+        for execution_id in ids:
+            self._send(connection, protocol.message(
+                "cancel_execution", f"cancel-{execution_id}", execution_id=execution_id,
+                job_id=job.id, reason="timeout"))
+
+    # -- Dispatch ----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._dispatch is not None:
+            self._dispatch.wake()
+
+    def _dispatch_loop(self, service: Service) -> None:
+        wait = 0.0
+        while not service.wait(wait):
+            if self.crashed is not None:
+                wait = IDLE_WAIT
+                continue
+            try:
+                sent = self.dispatch()
+            except (psycopg.Error, BelayError):
+                log.warning("belay: dispatching to executors failed; retrying",
+                            exc_info=True)
+                sent = 0
+            wait = BUSY_WAIT if sent else IDLE_WAIT
+
+    def dispatch(self) -> int:
+        """One round: claim for every connection with free capacity and send
+        the executions; returns how many were sent."""
+        with self._lock:
+            ready = [c for c in self._connections.values() if c.ready and c.free() > 0]
+        if not ready:
+            return 0
+        sent = 0
+        with self.client.connection() as conn:
+            busy = store.queues_with_work(conn, self.queues, self.client.clock.now())
+            if not busy:
+                return 0
+            specs, _invalid = merge_queues({q: QueueSpec(q) for q in busy},
+                                           store.list_queues(conn))
+            for connection in ready:
+                for spec in specs.values():
+                    free = connection.free()
+                    if free <= 0 or spec.paused:
+                        continue
+                    with self._lock:
+                        kinds = sorted(connection.tasks)
+                    jobs = claim_jobs(conn, spec, free, connection.node_id,
+                                      self.client.clock.now, self.leases.lease_ttl,
+                                      kinds=kinds)
+                    for job in jobs:
+                        sent += self._execute(connection, job)
+        return sent
+
+    def _execute(self, connection: _Connection, job: Job) -> int:
+        timeout_ms = timeout_of(job)
+        execution = Execution(job, None, None if timeout_ms is None else timeout_ms / 1000,
+                              node=connection.node_id, clock=self._clock)
+        execution.owner = connection
+        execution_id = f"{job.id}.{job.attempt}.{secrets.token_urlsafe(9)}"
+        reservation_id = secrets.token_urlsafe(12)
+        with self._lock:
+            if connection.closed:
+                gone = True
+            else:
+                gone = False
+                connection.running[execution_id] = _Running(execution, reservation_id)
+        if gone:
+            self._give_back(job)
+            return 0
+        self.leases.hold(execution)
+        event = protocol.message(
+            "execute", execution_id, reservation_id=reservation_id, execution_id=execution_id,
+            job_id=job.id, task=job.kind, args=job.input, attempt=job.attempt,
+            max_attempts=job.max_attempts, timeout_ms=timeout_ms, queue=job.queue,
+            lease_ttl_ms=int(self.leases.lease_ttl * 1000))
+        try:
+            ok = self._send(connection, event)
+        except protocol.ProtocolError as exc:  # the job's input is too large for a frame
+            log.error("belay: job %d can't be sent to an executor: %s", job.id, exc)
+            ok = False
+        if not ok:
+            self._forget(connection, execution_id)
+            if execution.end(LOST):
+                self._give_back(job)
+            return 0
+        return 1
+
+    def running(self) -> Iterator[tuple[str, Execution]]:
+        """Every execution in flight, with its connection's node id."""
+        with self._lock:
+            items = [(c.node_id, r.execution) for c in self._connections.values()
+                     for r in c.running.values()]
+        yield from items
+
+
+class _Refused(Exception):
+    """The connection is closed after this (a refused hello, a second hello)."""
+
+
+class _Stale(Exception):
+    """A report about an execution this connection no longer holds."""

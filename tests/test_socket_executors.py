@@ -1,0 +1,328 @@
+"""Executors on the socket (belay.parts.sockets): Executor Protocol v1 against a
+real PostgreSQL, with real Unix-domain sockets."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import belay
+from belay import protocol
+from belay.clock import ManualClock
+from belay.parts.sockets import ExecutorServer
+from tests.helpers import job_row, wait_until
+
+
+class Executor:
+    """A test executor: one connection, frames in and out, blocking reads."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.sock.settimeout(10)
+        self.reader = protocol.FrameReader()
+        self.inbox: list[dict[str, Any]] = []
+        self.ids = 0
+
+    def send(self, kind: str, **fields: Any) -> str:
+        self.ids += 1
+        request_id = f"{kind}-{self.ids}"
+        self.sock.sendall(protocol.encode(protocol.message(kind, request_id, **fields)))
+        return request_id
+
+    def raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def next(self, kind: str | None = None) -> dict[str, Any]:
+        """The next message (of ``kind``, keeping the others for later)."""
+        while True:
+            for index, message in enumerate(self.inbox):
+                if kind is None or message["type"] == kind:
+                    return self.inbox.pop(index)
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            self.inbox.extend(self.reader.feed(data))
+
+    def reply_to(self, request_id: str) -> dict[str, Any]:
+        while True:
+            for index, message in enumerate(self.inbox):
+                if message["request_id"] == request_id:
+                    return self.inbox.pop(index)
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            self.inbox.extend(self.reader.feed(data))
+
+    def closed(self) -> bool:
+        """True once the server closed its end."""
+        try:
+            return self.sock.recv(65536) == b""
+        except OSError:
+            return True
+
+    def hello(self, capacity: int = 1, tasks: tuple[str, ...] = ("sock.t",)) -> None:
+        reply = self.reply_to(self.send("hello", mode="worker", runtime_id="test-exec",
+                                        max_concurrency=capacity))
+        assert reply["type"] == "hello_ok"
+        assert reply["node_id"].startswith("socket:test-exec/")
+        registered = self.reply_to(self.send("register_tasks", tasks=list(tasks)))
+        assert registered == {"version": 1, "type": "ok",
+                              "request_id": registered["request_id"], "tasks": sorted(tasks)}
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def server(client: belay.Belay, clock: ManualClock, tmp_path: Path) -> Iterator[ExecutorServer]:
+    with ExecutorServer(client, ["default"], path=tmp_path / "belay.sock") as instance:
+        yield instance
+
+
+@pytest.fixture
+def executor(server: ExecutorServer) -> Iterator[Executor]:
+    instance = Executor(server.path)
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
+def test_an_executor_runs_a_job_and_its_result_is_stored(
+        client: belay.Belay, server: ExecutorServer, executor: Executor) -> None:
+    executor.hello()
+    job = client.enqueue("sock.t", {"n": 21})
+    event = executor.next("execute")
+    assert (event["job_id"], event["task"], event["args"], event["attempt"]) == \
+        (job.id, "sock.t", {"n": 21}, 1)
+    ids = {"execution_id": event["execution_id"], "reservation_id": event["reservation_id"]}
+    assert executor.reply_to(executor.send("started", **ids))["type"] == "ok"
+    done = executor.reply_to(executor.send("succeeded", result={"n": 42}, **ids))
+    assert (done["type"], done["state"], done["job_id"]) == ("ok", "succeeded", job.id)
+    assert client.get_job(job.id).result == {"n": 42}
+    # Reported twice: the second is stale, and nothing changes.
+    again = executor.reply_to(executor.send("succeeded", result={"n": 0}, **ids))
+    assert again["error"]["code"] == "stale_execution"
+    assert client.get_job(job.id).result == {"n": 42}
+
+
+def test_a_failure_is_retried_with_the_executors_error(
+        client: belay.Belay, server: ExecutorServer, executor: Executor,
+        sql_conn: Any) -> None:
+    executor.hello()
+    job = client.enqueue("sock.t")
+    event = executor.next("execute")
+    ids = {"execution_id": event["execution_id"], "reservation_id": event["reservation_id"]}
+    refused = executor.reply_to(executor.send("failed", error={"oops": 1}, **ids))
+    assert refused["error"]["code"] == "invalid_request"
+    assert "error object like" in refused["error"]["message"]
+    reply = executor.reply_to(executor.send(
+        "failed", error={"message": "card declined", "type": "PaymentError"}, **ids))
+    assert (reply["type"], reply["state"]) == ("ok", "ready")
+    row = job_row(sql_conn, job.id)
+    assert row["errors"][0]["error"] == "PaymentError: card declined"
+
+
+def test_ids_must_match_to_complete(client: belay.Belay, server: ExecutorServer,
+                                    executor: Executor) -> None:
+    executor.hello()
+    job = client.enqueue("sock.t")
+    event = executor.next("execute")
+    wrong = executor.reply_to(executor.send(
+        "succeeded", execution_id=event["execution_id"], reservation_id="not-it", result=1))
+    assert wrong["error"]["code"] == "stale_execution"
+    assert client.get_job(job.id).state == "running"
+
+
+def test_capacity_bounds_what_one_connection_holds(
+        client: belay.Belay, server: ExecutorServer, executor: Executor,
+        sql_conn: Any) -> None:
+    executor.hello(capacity=2)
+    jobs = [client.enqueue("sock.t", {"i": i}) for i in range(3)]
+    first, second = executor.next("execute"), executor.next("execute")
+    wait_until(lambda: [job_row(sql_conn, j.id)["state"] for j in jobs].count("running") == 2,
+               "two jobs claimed")
+    assert job_row(sql_conn, jobs[2].id)["state"] == "ready"
+    executor.reply_to(executor.send("succeeded", result=None,
+                                    execution_id=first["execution_id"],
+                                    reservation_id=first["reservation_id"]))
+    third = executor.next("execute")
+    assert {first["job_id"], second["job_id"], third["job_id"]} == {j.id for j in jobs}
+
+
+def test_only_registered_tasks_are_sent(client: belay.Belay, server: ExecutorServer,
+                                        executor: Executor, sql_conn: Any) -> None:
+    executor.hello(tasks=("sock.a",))
+    other = client.enqueue("sock.b")
+    mine = client.enqueue("sock.a")
+    assert executor.next("execute")["job_id"] == mine.id
+    reply = executor.reply_to(executor.send("unregister_tasks", tasks=["sock.a"]))
+    assert reply["tasks"] == []
+    assert job_row(sql_conn, other.id)["state"] == "ready"
+
+
+def test_a_disconnect_gives_the_job_back_without_using_an_attempt(
+        client: belay.Belay, server: ExecutorServer, executor: Executor,
+        sql_conn: Any) -> None:
+    executor.hello()
+    job = client.enqueue("sock.t")
+    executor.next("execute")
+    assert job_row(sql_conn, job.id)["attempt"] == 1
+    executor.close()
+    wait_until(lambda: job_row(sql_conn, job.id)["state"] == "ready", "the job given back")
+    assert job_row(sql_conn, job.id)["attempt"] == 0
+    # Another executor picks it up as a first attempt.
+    again = Executor(server.path)
+    try:
+        again.hello()
+        event = again.next("execute")
+        assert (event["job_id"], event["attempt"]) == (job.id, 1)
+    finally:
+        again.close()
+
+
+def test_a_broken_frame_closes_only_its_connection(
+        client: belay.Belay, server: ExecutorServer, executor: Executor,
+        sql_conn: Any) -> None:
+    executor.hello()
+    bystander = Executor(server.path)
+    try:
+        bystander.hello()
+        held = client.enqueue("sock.t")
+        # Whichever of the two holds the job: the broken one gives it back.
+        executor.raw(struct.pack(">I", protocol.MAX_FRAME_BYTES + 1))
+        assert executor.closed()
+        event = bystander.next("execute")
+        assert event["job_id"] == held.id
+        done = bystander.reply_to(bystander.send(
+            "succeeded", result="ok", execution_id=event["execution_id"],
+            reservation_id=event["reservation_id"]))
+        assert done["state"] == "succeeded"
+    finally:
+        bystander.close()
+
+
+def test_past_its_timeout_the_attempt_fails_and_the_executor_is_told(
+        client: belay.Belay, server: ExecutorServer, executor: Executor,
+        sql_conn: Any) -> None:
+    executor.hello()
+    job = client.enqueue("sock.t", meta={"$timeout_ms": 200})
+    event = executor.next("execute")
+    assert event["timeout_ms"] == 200
+    cancel = executor.next("cancel_execution")
+    assert (cancel["execution_id"], cancel["job_id"], cancel["reason"]) == \
+        (event["execution_id"], job.id, "timeout")
+    row = job_row(sql_conn, job.id)
+    assert row["state"] == "ready"
+    assert row["errors"][0]["error"] == "timeout: ran longer than 0.2s"
+    late = executor.reply_to(executor.send(
+        "succeeded", result=1, execution_id=event["execution_id"],
+        reservation_id=event["reservation_id"]))
+    assert late["error"]["code"] == "stale_execution"
+    assert "timeout" in late["error"]["message"]
+
+
+@pytest.mark.parametrize(("first", "code"), [
+    ({"type": "register_tasks", "tasks": ["x"]}, "invalid_request"),
+    ({"type": "hello", "mode": "worker", "runtime_id": "r", "max_concurrency": 0},
+     "invalid_request"),
+    ({"type": "hello", "mode": "client", "runtime_id": "r", "max_concurrency": 0},
+     "unsupported"),
+])
+def test_a_connection_must_start_with_an_executors_hello(
+        server: ExecutorServer, first: dict[str, Any], code: str) -> None:
+    executor = Executor(server.path)
+    try:
+        kind = first.pop("type")
+        request_id = executor.send(kind, **first)
+        reply = executor.reply_to(request_id)
+        assert reply["error"]["code"] == code
+        assert executor.closed()
+    finally:
+        executor.close()
+
+
+def test_the_socket_is_private_and_removed_on_stop(
+        client: belay.Belay, tmp_path: Path) -> None:
+    path = tmp_path / "run" / "belay.sock"
+    path.parent.mkdir(mode=0o700)
+    server = ExecutorServer(client, ["default"], path=path)
+    server.start()
+    try:
+        assert oct(path.lstat().st_mode & 0o777) == oct(0o600)
+    finally:
+        server.stop()
+    assert not path.exists()
+
+
+# -- In a worker ------------------------------------------------------------------------
+
+
+def test_a_worker_runs_its_own_kinds_on_threads_and_the_rest_on_executors(
+        client: belay.Belay, clock: ManualClock, tmp_path: Path, sql_conn: Any) -> None:
+    reg = belay.Registry()
+    belay.worker(name="sock.py", registry=reg)(lambda ctx: "thread")
+    path = tmp_path / "belay.sock"
+    worker = belay.Worker({"default": 2}, client=client, registry=reg, poll_interval=0.05,
+                          busy_poll=0.01, sweep_interval=3600.0, executor_socket=path)
+    with worker:
+        executor = Executor(path)
+        try:
+            executor.hello(tasks=("sock.t",))
+            remote = client.enqueue("sock.t", {"x": 1})
+            local = client.enqueue("sock.py")
+            event = executor.next("execute")
+            assert event["job_id"] == remote.id
+            executor.reply_to(executor.send(
+                "succeeded", result="executor", execution_id=event["execution_id"],
+                reservation_id=event["reservation_id"]))
+            assert client.await_result(local.id, timeout=10) == "thread"
+            assert client.await_result(remote.id, timeout=10) == "executor"
+        finally:
+            executor.close()
+    for job in (remote, local):
+        row = job_row(sql_conn, job.id)
+        assert (row["attempt"], row["errors"]) == (1, [])  # never snoozed back as unknown
+    assert not path.exists()
+
+
+def test_belay_worker_serves_executors_with_no_python_workers(
+        db_url: str, tmp_path: Path, sql_conn: Any) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "belay.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "belay", "worker", "--url", db_url, "--executor-socket",
+         str(path), "--poll-interval", "0.1", "--busy-poll", "0.01"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: path.exists() or proc.poll() is not None, "the socket", 20)
+        assert proc.poll() is None, proc.communicate()[1]
+        with belay.Belay(db_url) as producer:
+            job = producer.enqueue("sock.t", {"n": 1})
+            executor = Executor(path)
+            try:
+                executor.hello()
+                event = executor.next("execute")
+                reply = executor.reply_to(executor.send(
+                    "succeeded", result=[1, 2], execution_id=event["execution_id"],
+                    reservation_id=event["reservation_id"]))
+                assert reply["state"] == "succeeded"
+            finally:
+                executor.close()
+            assert producer.get_job(job.id).result == [1, 2]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert not path.exists()
