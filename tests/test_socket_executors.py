@@ -3,6 +3,7 @@ real PostgreSQL, with real Unix-domain sockets."""
 
 from __future__ import annotations
 
+import random
 import socket
 import struct
 from collections.abc import Iterator
@@ -259,6 +260,95 @@ def test_the_socket_is_private_and_removed_on_stop(
     finally:
         server.stop()
     assert not path.exists()
+
+
+# -- Hostile and stuck peers ------------------------------------------------------------
+
+
+def test_a_connection_that_never_says_hello_is_closed(
+        client: belay.Belay, clock: ManualClock, tmp_path: Path) -> None:
+    with ExecutorServer(client, ["default"], path=tmp_path / "belay.sock",
+                        hello_timeout=0.3) as server:
+        silent = Executor(server.path)
+        try:
+            assert silent.closed()  # blocks until the server gives up on it
+            wait_until(lambda: server.connections() == 0, "the connection forgotten")
+        finally:
+            silent.close()
+
+
+def test_an_executor_that_stops_reading_is_dropped_and_its_jobs_go_back(
+        client: belay.Belay, clock: ManualClock, tmp_path: Path, sql_conn: Any) -> None:
+    with ExecutorServer(client, ["default"], path=tmp_path / "belay.sock",
+                        send_timeout=0.3) as server:
+        stuck = Executor(server.path)
+        stuck.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        try:
+            stuck.hello(capacity=500)  # then it never reads again
+            big = "x" * 60_000
+            jobs = client.enqueue_many([{"kind": "sock.t", "input": {"pad": big, "i": i}}
+                                        for i in range(200)])
+            wait_until(lambda: server.connections() == 0, "the stuck executor dropped", 30)
+            # The rest of the dispatcher's batch goes back as it meets the closed connection.
+            wait_until(lambda: {(job_row(sql_conn, j.id)["state"], job_row(sql_conn, j.id)[
+                "attempt"]) for j in jobs} == {("ready", 0)}, "every job back, no attempt used",
+                30)
+            healthy = Executor(server.path)
+            try:
+                healthy.hello(capacity=1)
+                event = healthy.next("execute")
+                assert event["job_id"] in {j.id for j in jobs}
+            finally:
+                healthy.close()
+        finally:
+            stuck.close()
+
+
+def test_a_job_too_large_for_a_frame_fails_and_the_executor_stays(
+        client: belay.Belay, clock: ManualClock, tmp_path: Path, sql_conn: Any) -> None:
+    with ExecutorServer(client, ["default"], path=tmp_path / "belay.sock",
+                        max_frame_bytes=4096) as server:
+        executor = Executor(server.path)
+        try:
+            executor.hello()
+            huge = client.enqueue("sock.t", {"pad": "x" * 10_000}, max_attempts=1)
+            wait_until(lambda: job_row(sql_conn, huge.id)["state"] == "failed", "refused")
+            assert "can't be sent to an executor" in job_row(sql_conn, huge.id)["errors"][0][
+                "error"]
+            small = client.enqueue("sock.t", {"n": 1})
+            assert executor.next("execute")["job_id"] == small.id
+        finally:
+            executor.close()
+
+
+def test_garbage_closes_only_the_connection_that_sent_it(
+        client: belay.Belay, server: ExecutorServer, sql_conn: Any) -> None:
+    rng = random.Random(21)
+    payloads = [struct.pack(">I", rng.randrange(1, 200)) + rng.randbytes(rng.randrange(200))
+                for _ in range(40)]
+    payloads += [protocol.encode(protocol.message("hello", "h", mode="worker",
+                                                  runtime_id="r", max_concurrency=1))
+                 + rng.randbytes(rng.randrange(1, 300)) for _ in range(20)]
+    payloads += [struct.pack(">I", 12) + b'{"version":2', b"\x00\x00\x00\x00",
+                 struct.pack(">I", 2**32 - 1)]
+    good = Executor(server.path)
+    try:
+        good.hello()
+        for payload in payloads:
+            bad = Executor(server.path)
+            try:
+                bad.raw(payload)
+                bad.sock.shutdown(socket.SHUT_WR)  # and no more: the server must not hang
+                while not bad.closed():
+                    pass
+            finally:
+                bad.close()
+        wait_until(lambda: server.connections() == 1, "only the good connection left")
+        job = client.enqueue("sock.t")
+        event = good.next("execute")
+        assert event["job_id"] == job.id
+    finally:
+        good.close()
 
 
 # -- In a worker ------------------------------------------------------------------------

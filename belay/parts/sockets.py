@@ -35,6 +35,7 @@ import os
 import secrets
 import select
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -49,7 +50,7 @@ from belay import protocol, socketpath, store
 from belay.client import Belay
 from belay.errors import BelayError
 from belay.job import Job
-from belay.outcome import Outcome
+from belay.outcome import Outcome, retry_or_fail
 from belay.parts.completer import ack_on
 from belay.parts.execution import ACKED, LOST, Execution
 from belay.parts.leases import Leases, timeout_outcome
@@ -66,6 +67,11 @@ log = logging.getLogger("belay.executors")
 IDLE_WAIT = 0.5
 #: How long it sleeps between rounds that found work.
 BUSY_WAIT = 0.005
+#: Seconds a new connection has to send its hello.
+HELLO_TIMEOUT = 10.0
+#: Seconds a frame may wait for an executor that stopped reading before its
+#: connection is closed (so one stuck executor never stalls the others).
+SEND_TIMEOUT = 5.0
 
 
 @dataclass
@@ -108,6 +114,8 @@ class ExecutorServer:
         lease_ttl: float = 30.0,
         max_frame_bytes: int = protocol.MAX_FRAME_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        hello_timeout: float = HELLO_TIMEOUT,
+        send_timeout: float = SEND_TIMEOUT,
     ) -> None:
         if mode not in socketpath.MODES:
             raise socketpath.SocketPathError(
@@ -117,6 +125,8 @@ class ExecutorServer:
         self.resolved = socketpath.resolve(path)
         self.mode = mode
         self.max_frame_bytes = max_frame_bytes
+        self.hello_timeout = hello_timeout
+        self.send_timeout = send_timeout
         self._clock = clock
         self._lock = threading.Lock()
         self._connections: dict[int, _Connection] = {}
@@ -200,6 +210,7 @@ class ExecutorServer:
                 if service.stopping:
                     return
                 raise
+            sock.settimeout(self.hello_timeout)
             connection = _Connection(sock, next(self._numbers))
             with self._lock:
                 self._connections[connection.number] = connection
@@ -218,6 +229,8 @@ class ExecutorServer:
                     self._handle(connection, message)
         except protocol.ProtocolError as exc:
             why = f"it sent a broken frame ({exc})"
+        except TimeoutError:
+            why = f"it sent no hello within {self.hello_timeout:g}s"
         except OSError as exc:
             why = f"its socket failed ({exc.strerror or exc})"
         except _Refused as exc:
@@ -246,6 +259,15 @@ class ExecutorServer:
         if connection.runtime_id:
             log.info("belay: executor %s disconnected (%s); %d job(s) back to their queues",
                      connection.node_id, why, back)
+
+    def _refuse_job(self, job: Job, why: str) -> None:
+        """An attempt no executor can be given: failed (retried while attempts remain)."""
+        log.error("belay: job %d attempt %d: %s", job.id, job.attempt, why)
+        now = self.client.clock.now()
+        outcome = retry_or_fail({"error": f"ValidationError: {why}", "attempt": job.attempt},
+                                job.attempt, job.max_attempts, now, job_backoff(job))
+        with self.client.connection() as conn:
+            ack_on(conn, job, outcome, now, self._announce)
 
     def _give_back(self, job: Job) -> int:
         """Snooze the claimed attempt back, due now: not an attempt used."""
@@ -301,6 +323,13 @@ class ExecutorServer:
                     "with the client or the HTTP API")
             self._send(connection, protocol.error(request_id, "unsupported", text))
             raise _Refused("it is not an executor")
+        # From now on it may stay quiet for as long as it likes; a send to it
+        # that can't go through for send_timeout closes it instead.
+        connection.sock.settimeout(None)
+        seconds = int(self.send_timeout)
+        connection.sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+            struct.pack("ll", seconds, int((self.send_timeout - seconds) * 1_000_000)))
         with self._lock:
             connection.runtime_id = hello.runtime_id
             connection.node_id = f"socket:{hello.runtime_id[:64]}/{uuid.uuid4().hex[:12]}"
@@ -472,13 +501,16 @@ class ExecutorServer:
             lease_ttl_ms=int(self.leases.lease_ttl * 1000))
         try:
             ok = self._send(connection, event)
-        except protocol.ProtocolError as exc:  # the job's input is too large for a frame
-            log.error("belay: job %d can't be sent to an executor: %s", job.id, exc)
-            ok = False
+        except protocol.ProtocolError as exc:  # its input doesn't fit in a frame
+            self._forget(connection, execution_id)
+            if execution.end(ACKED):
+                self._refuse_job(job, f"the job can't be sent to an executor: {exc}")
+            return 0
         if not ok:
             self._forget(connection, execution_id)
             if execution.end(LOST):
                 self._give_back(job)
+            self._close(connection, "a send to it timed out or failed (it stopped reading)")
             return 0
         return 1
 
