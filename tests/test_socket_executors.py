@@ -188,6 +188,39 @@ def test_a_disconnect_gives_the_job_back_without_using_an_attempt(
         again.close()
 
 
+def test_an_executor_killed_mid_job_gives_it_back_to_another(
+        client: belay.Belay, server: ExecutorServer, sql_conn: Any) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    job = client.enqueue("sock.t", {"n": 7})
+    doomed = subprocess.Popen([sys.executable, "-m", "tests.socket_executor_proc",
+                               str(server.path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert doomed.stdout is not None
+        assert int(doomed.stdout.readline()) == job.id  # it holds the job, mid-run
+        assert job_row(sql_conn, job.id)["state"] == "running"
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(10)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+        doomed.communicate()
+    survivor = Executor(server.path)
+    try:
+        survivor.hello()
+        event = survivor.next("execute")
+        assert (event["job_id"], event["attempt"]) == (job.id, 1)  # no attempt used
+        done = survivor.reply_to(survivor.send(
+            "succeeded", result=event["args"]["n"] * 6, execution_id=event["execution_id"],
+            reservation_id=event["reservation_id"]))
+        assert done["state"] == "succeeded"
+    finally:
+        survivor.close()
+    assert client.get_job(job.id).result == 42
+
+
 def test_a_broken_frame_closes_only_its_connection(
         client: belay.Belay, server: ExecutorServer, executor: Executor,
         sql_conn: Any) -> None:
