@@ -161,12 +161,12 @@ class ExecutorServer:
         services, self._services = self._services, []
         for service in services:
             service.stop()
+        for service in services:  # no connection is accepted, nothing dispatched, after
+            service.join(5.0)
         with self._lock:
             connections = list(self._connections.values())
         for connection in connections:
             self._close(connection, "the worker is stopping")
-        for service in services:
-            service.join(5.0)
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -235,6 +235,9 @@ class ExecutorServer:
             why = f"its socket failed ({exc.strerror or exc})"
         except _Refused as exc:
             why = str(exc)
+        except Exception as exc:  # a bug, or the database refusing: this connection only
+            log.exception("belay: serving executor %s failed", connection.node_id or "?")
+            why = f"serving it failed ({type(exc).__name__})"
         finally:
             self._close(connection, why)
 
