@@ -3,6 +3,7 @@ real PostgreSQL, with real Unix-domain sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import struct
@@ -78,6 +79,15 @@ class Executor:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@contextlib.contextmanager
+def connected(path: Path) -> Iterator[Executor]:
+    executor = Executor(path)
+    try:
+        yield executor
+    finally:
+        executor.close()
 
 
 @pytest.fixture
@@ -301,57 +311,42 @@ def test_the_socket_is_private_and_removed_on_stop(
 def test_a_connection_that_never_says_hello_is_closed(
         client: belay.Belay, clock: ManualClock, tmp_path: Path) -> None:
     with ExecutorServer(client, ["default"], path=tmp_path / "belay.sock",
-                        hello_timeout=0.3) as server:
-        silent = Executor(server.path)
-        try:
-            assert silent.closed()  # blocks until the server gives up on it
-            wait_until(lambda: server.connections() == 0, "the connection forgotten")
-        finally:
-            silent.close()
+                        hello_timeout=0.3) as server, connected(server.path) as silent:
+        assert silent.closed()  # blocks until the server gives up on it
+        wait_until(lambda: server.connections() == 0, "the connection forgotten")
 
 
 def test_an_executor_that_stops_reading_is_dropped_and_its_jobs_go_back(
         client: belay.Belay, clock: ManualClock, tmp_path: Path, sql_conn: Any) -> None:
     with ExecutorServer(client, ["default"], path=tmp_path / "belay.sock",
-                        send_timeout=0.3) as server:
-        stuck = Executor(server.path)
+                        send_timeout=0.3) as server, connected(server.path) as stuck:
         stuck.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        try:
-            stuck.hello(capacity=500)  # then it never reads again
-            big = "x" * 60_000
-            jobs = client.enqueue_many([{"kind": "sock.t", "input": {"pad": big, "i": i}}
-                                        for i in range(200)])
-            wait_until(lambda: server.connections() == 0, "the stuck executor dropped", 30)
-            # The rest of the dispatcher's batch goes back as it meets the closed connection.
-            wait_until(lambda: {(job_row(sql_conn, j.id)["state"], job_row(sql_conn, j.id)[
-                "attempt"]) for j in jobs} == {("ready", 0)}, "every job back, no attempt used",
-                30)
-            healthy = Executor(server.path)
-            try:
-                healthy.hello(capacity=1)
-                event = healthy.next("execute")
-                assert event["job_id"] in {j.id for j in jobs}
-            finally:
-                healthy.close()
-        finally:
-            stuck.close()
+        stuck.hello(capacity=500)  # then it never reads again
+        big = "x" * 60_000
+        jobs = client.enqueue_many([{"kind": "sock.t", "input": {"pad": big, "i": i}}
+                                    for i in range(200)])
+        wait_until(lambda: server.connections() == 0, "the stuck executor dropped", 30)
+        # The rest of the dispatcher's batch goes back as it meets the closed connection.
+        wait_until(lambda: {(job_row(sql_conn, j.id)["state"], job_row(sql_conn, j.id)[
+            "attempt"]) for j in jobs} == {("ready", 0)}, "every job back, no attempt used",
+            30)
+        with connected(server.path) as healthy:
+            healthy.hello(capacity=1)
+            event = healthy.next("execute")
+            assert event["job_id"] in {j.id for j in jobs}
 
 
 def test_a_job_too_large_for_a_frame_fails_and_the_executor_stays(
         client: belay.Belay, clock: ManualClock, tmp_path: Path, sql_conn: Any) -> None:
     with ExecutorServer(client, ["default"], path=tmp_path / "belay.sock",
-                        max_frame_bytes=4096) as server:
-        executor = Executor(server.path)
-        try:
-            executor.hello()
-            huge = client.enqueue("sock.t", {"pad": "x" * 10_000}, max_attempts=1)
-            wait_until(lambda: job_row(sql_conn, huge.id)["state"] == "failed", "refused")
-            assert "can't be sent to an executor" in job_row(sql_conn, huge.id)["errors"][0][
-                "error"]
-            small = client.enqueue("sock.t", {"n": 1})
-            assert executor.next("execute")["job_id"] == small.id
-        finally:
-            executor.close()
+                        max_frame_bytes=4096) as server, connected(server.path) as executor:
+        executor.hello()
+        huge = client.enqueue("sock.t", {"pad": "x" * 10_000}, max_attempts=1)
+        wait_until(lambda: job_row(sql_conn, huge.id)["state"] == "failed", "refused")
+        assert "can't be sent to an executor" in job_row(sql_conn, huge.id)["errors"][0][
+            "error"]
+        small = client.enqueue("sock.t", {"n": 1})
+        assert executor.next("execute")["job_id"] == small.id
 
 
 def test_garbage_closes_only_the_connection_that_sent_it(

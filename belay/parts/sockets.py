@@ -39,7 +39,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +136,7 @@ class ExecutorServer:
         self._listener: socket.socket | None = None
         self._services: list[Service] = []
         self._dispatch: Service | None = None
+        self._requests = _Requests(self)
         #: What killed a service of the server, once one died: no more dispatch.
         self.crashed: BaseException | None = None
 
@@ -226,7 +227,7 @@ class ExecutorServer:
                 if not data:
                     break
                 for message in reader.feed(data):
-                    self._handle(connection, message)
+                    self._requests.handle(connection, message)
         except protocol.ProtocolError as exc:
             why = f"it sent a broken frame ({exc})"
         except TimeoutError:
@@ -294,115 +295,6 @@ class ExecutorServer:
         return True
 
     # -- Requests --------------------------------------------------------------------------
-
-    def _handle(self, connection: _Connection, message: dict[str, Any]) -> None:
-        kind, request_id = message["type"], message["request_id"]
-        if not connection.runtime_id:
-            self._hello(connection, message)
-            return
-        if kind == "hello":
-            raise _Refused("it sent hello twice")
-        try:
-            reply = self._answer(connection, kind, message)
-        except ReportRefused as exc:
-            reply = protocol.error(request_id, "invalid_request", str(exc))
-        except _Stale as exc:
-            reply = protocol.error(request_id, "stale_execution", str(exc))
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            reply = protocol.error(request_id, "unavailable",
-                                   f"the database is unavailable ({type(exc).__name__}); "
-                                   "report it again")
-        self._send(connection, reply)
-
-    def _hello(self, connection: _Connection, message: dict[str, Any]) -> None:
-        request_id = message["request_id"]
-        try:
-            hello = protocol.parse_hello(message)
-        except ValueError as exc:
-            self._send(connection, protocol.error(request_id, "invalid_request", str(exc)))
-            raise _Refused(f"its hello was refused ({exc})") from None
-        if hello.mode != "worker":
-            text = ("this socket serves executors (mode \"worker\"); enqueue and read jobs "
-                    "with the client or the HTTP API")
-            self._send(connection, protocol.error(request_id, "unsupported", text))
-            raise _Refused("it is not an executor")
-        # From now on it may stay quiet for as long as it likes; a send to it
-        # that can't go through for send_timeout closes it instead.
-        connection.sock.settimeout(None)
-        seconds = int(self.send_timeout)
-        connection.sock.setsockopt(
-            socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-            struct.pack("ll", seconds, int((self.send_timeout - seconds) * 1_000_000)))
-        with self._lock:
-            connection.runtime_id = hello.runtime_id
-            connection.node_id = f"socket:{hello.runtime_id[:64]}/{uuid.uuid4().hex[:12]}"
-            connection.capacity = hello.max_concurrency
-        self._send(connection, protocol.message("hello_ok", request_id,
-                                                node_id=connection.node_id))
-        log.info("belay: executor %s connected (capacity %d)", connection.node_id,
-                 hello.max_concurrency)
-
-    def _answer(self, connection: _Connection, kind: str,
-                message: dict[str, Any]) -> dict[str, Any]:
-        request_id = message["request_id"]
-        if kind in ("register_tasks", "unregister_tasks"):
-            tasks = message.get("tasks")
-            if not isinstance(tasks, list) or not all(
-                    isinstance(t, str) and 0 < len(t.encode("utf-8", "surrogatepass")) <= 255
-                    for t in tasks):
-                raise ReportRefused("tasks must be a list of task names (1 to 255 bytes each)")
-            with self._lock:
-                if kind == "register_tasks":
-                    connection.tasks.update(tasks)
-                else:
-                    connection.tasks.difference_update(tasks)
-                registered = sorted(connection.tasks)
-            self._wake()
-            return protocol.message("ok", request_id, tasks=registered)
-        if kind == "started":
-            self._running(connection, message).started = True
-            return protocol.message("ok", request_id)
-        if kind in ("succeeded", "failed"):
-            return self._complete(connection, kind, message)
-        raise ReportRefused(f"an executor does not send {kind!r}")
-
-    def _running(self, connection: _Connection, message: dict[str, Any]) -> _Running:
-        execution_id, reservation_id = message.get("execution_id"), message.get("reservation_id")
-        with self._lock:
-            found = connection.running.get(execution_id) if isinstance(execution_id, str) \
-                else None
-        if found is None or found.reservation_id != reservation_id:
-            raise _Stale(f"execution {execution_id!r} with reservation {reservation_id!r} is "
-                         "not in flight on this connection (completed, reclaimed, or never "
-                         "sent here)")
-        if found.execution.ended is not None:
-            self._forget(connection, str(execution_id))
-            raise _Stale(f"execution {execution_id!r} ended here ({found.execution.ended}); "
-                         "its outcome is discarded")
-        return found
-
-    def _complete(self, connection: _Connection, kind: str,
-                  message: dict[str, Any]) -> dict[str, Any]:
-        item = self._running(connection, message)
-        execution, job = item.execution, item.execution.job
-        now = self.client.clock.now()
-        decided = reported(job, "success" if kind == "succeeded" else "failure",
-                           message.get("result"), message.get("error"), now)
-        if not execution.end(ACKED):
-            raise _Stale(f"execution {message['execution_id']!r} ended here "
-                         f"({execution.ended}); its outcome is discarded")
-        try:
-            with self.client.connection() as conn:
-                acked = ack_on(conn, job, decided, self.client.clock.now(), self._announce)
-        except BaseException:
-            execution.reopen(ACKED)  # nothing written: the executor may report it again
-            raise
-        self._forget(connection, message["execution_id"])
-        if acked is None:
-            raise _Stale(f"job {job.id} attempt {job.attempt} was reclaimed or finished "
-                         "meanwhile; this outcome was discarded")
-        return protocol.message("ok", message["request_id"], job_id=job.id,
-                                state=acked.job.state, attempt=job.attempt)
 
     def _forget(self, connection: _Connection, execution_id: str) -> None:
         with self._lock:
@@ -517,12 +409,122 @@ class ExecutorServer:
             return 0
         return 1
 
-    def running(self) -> Iterator[tuple[str, Execution]]:
-        """Every execution in flight, with its connection's node id."""
-        with self._lock:
-            items = [(c.node_id, r.execution) for c in self._connections.values()
-                     for r in c.running.values()]
-        yield from items
+
+class _Requests:
+    """What an executor sends on an established connection, answered."""
+
+    def __init__(self, server: ExecutorServer) -> None:
+        self.server = server
+
+    def handle(self, connection: _Connection, message: dict[str, Any]) -> None:
+        kind, request_id = message["type"], message["request_id"]
+        if not connection.runtime_id:
+            self._hello(connection, message)
+            return
+        if kind == "hello":
+            raise _Refused("it sent hello twice")
+        try:
+            reply = self._answer(connection, kind, message)
+        except ReportRefused as exc:
+            reply = protocol.error(request_id, "invalid_request", str(exc))
+        except _Stale as exc:
+            reply = protocol.error(request_id, "stale_execution", str(exc))
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            reply = protocol.error(request_id, "unavailable",
+                                   f"the database is unavailable ({type(exc).__name__}); "
+                                   "report it again")
+        self.server._send(connection, reply)
+
+    def _hello(self, connection: _Connection, message: dict[str, Any]) -> None:
+        request_id = message["request_id"]
+        try:
+            hello = protocol.parse_hello(message)
+        except ValueError as exc:
+            self.server._send(connection, protocol.error(request_id, "invalid_request", str(exc)))
+            raise _Refused(f"its hello was refused ({exc})") from None
+        if hello.mode != "worker":
+            text = ("this socket serves executors (mode \"worker\"); enqueue and read jobs "
+                    "with the client or the HTTP API")
+            self.server._send(connection, protocol.error(request_id, "unsupported", text))
+            raise _Refused("it is not an executor")
+        # From now on it may stay quiet for as long as it likes; a send to it
+        # that can't go through for send_timeout closes it instead.
+        connection.sock.settimeout(None)
+        seconds = int(self.server.send_timeout)
+        connection.sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+            struct.pack("ll", seconds, int((self.server.send_timeout - seconds) * 1_000_000)))
+        with self.server._lock:
+            connection.runtime_id = hello.runtime_id
+            connection.node_id = f"socket:{hello.runtime_id[:64]}/{uuid.uuid4().hex[:12]}"
+            connection.capacity = hello.max_concurrency
+        self.server._send(connection, protocol.message(
+            "hello_ok", request_id, node_id=connection.node_id))
+        log.info("belay: executor %s connected (capacity %d)", connection.node_id,
+                 hello.max_concurrency)
+
+    def _answer(self, connection: _Connection, kind: str,
+                message: dict[str, Any]) -> dict[str, Any]:
+        request_id = message["request_id"]
+        if kind in ("register_tasks", "unregister_tasks"):
+            tasks = message.get("tasks")
+            if not isinstance(tasks, list) or not all(
+                    isinstance(t, str) and 0 < len(t.encode("utf-8", "surrogatepass")) <= 255
+                    for t in tasks):
+                raise ReportRefused("tasks must be a list of task names (1 to 255 bytes each)")
+            with self.server._lock:
+                if kind == "register_tasks":
+                    connection.tasks.update(tasks)
+                else:
+                    connection.tasks.difference_update(tasks)
+                registered = sorted(connection.tasks)
+            self.server._wake()
+            return protocol.message("ok", request_id, tasks=registered)
+        if kind == "started":
+            self._running(connection, message).started = True
+            return protocol.message("ok", request_id)
+        if kind in ("succeeded", "failed"):
+            return self._complete(connection, kind, message)
+        raise ReportRefused(f"an executor does not send {kind!r}")
+
+    def _running(self, connection: _Connection, message: dict[str, Any]) -> _Running:
+        execution_id, reservation_id = message.get("execution_id"), message.get("reservation_id")
+        with self.server._lock:
+            found = connection.running.get(execution_id) if isinstance(execution_id, str) \
+                else None
+        if found is None or found.reservation_id != reservation_id:
+            raise _Stale(f"execution {execution_id!r} with reservation {reservation_id!r} is "
+                         "not in flight on this connection (completed, reclaimed, or never "
+                         "sent here)")
+        if found.execution.ended is not None:
+            self.server._forget(connection, str(execution_id))
+            raise _Stale(f"execution {execution_id!r} ended here ({found.execution.ended}); "
+                         "its outcome is discarded")
+        return found
+
+    def _complete(self, connection: _Connection, kind: str,
+                  message: dict[str, Any]) -> dict[str, Any]:
+        item = self._running(connection, message)
+        execution, job = item.execution, item.execution.job
+        now = self.server.client.clock.now()
+        decided = reported(job, "success" if kind == "succeeded" else "failure",
+                           message.get("result"), message.get("error"), now)
+        if not execution.end(ACKED):
+            raise _Stale(f"execution {message['execution_id']!r} ended here "
+                         f"({execution.ended}); its outcome is discarded")
+        try:
+            server = self.server
+            with server.client.connection() as conn:
+                acked = ack_on(conn, job, decided, server.client.clock.now(), server._announce)
+        except BaseException:
+            execution.reopen(ACKED)  # nothing written: the executor may report it again
+            raise
+        self.server._forget(connection, message["execution_id"])
+        if acked is None:
+            raise _Stale(f"job {job.id} attempt {job.attempt} was reclaimed or finished "
+                         "meanwhile; this outcome was discarded")
+        return protocol.message("ok", message["request_id"], job_id=job.id,
+                                state=acked.job.state, attempt=job.attempt)
 
 
 class _Refused(Exception):
