@@ -111,6 +111,14 @@ def _parser() -> argparse.ArgumentParser:
                           "the default places (docs/executors.md)")
     run.add_argument("--executor-socket-mode", default="0600", choices=("0600", "0660"),
                      help="the socket's mode: 0600 (this user) or 0660 (and its group)")
+    run.add_argument("--processes", type=int, default=None, metavar="N",
+                     help="run jobs in N child processes instead of threads: hard timeouts, "
+                          "cancels that kill, CPU-bound jobs across cores (docs/executors.md)")
+    run.add_argument("--max-tasks-per-child", type=int, default=None, metavar="N",
+                     help="with --processes: replace a child after it ran N jobs")
+    run.add_argument("--max-memory-per-child", type=int, default=None, metavar="MIB",
+                     help="with --processes: replace a child whose resident memory is over "
+                          "MIB after a job")
 
     def with_key(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--encryption-key-file", default=None, metavar="PATH",
@@ -588,7 +596,9 @@ def _worker(args: argparse.Namespace, secrets: Sequence[str]) -> int:
         poll_interval=args.poll_interval, busy_poll=min(args.busy_poll, args.poll_interval),
         sweep_interval=args.sweep_interval, shutdown_grace=args.shutdown_grace,
         node_id=args.node_id, executor_socket=args.executor_socket,
-        executor_socket_mode=int(args.executor_socket_mode, 8),
+        executor_socket_mode=int(args.executor_socket_mode, 8), processes=args.processes,
+        max_tasks_per_child=args.max_tasks_per_child,
+        max_memory_per_child=args.max_memory_per_child,
     )
     if not len(worker.registry) and worker.executors is None:
         print("belay: no workers registered: pass --import with the module that defines "

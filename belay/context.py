@@ -197,7 +197,9 @@ class Context:
         return exc
 
     def checkpoint(self) -> None:
-        """Raise :class:`Interrupted` if this run no longer owns its job.
+        """Raise :class:`Interrupted` if this run no longer owns its job, and
+        :class:`CancelRequested` once a lease renewal saw an operator's cancel
+        request (within a third of ``lease_ttl``; a step sees it at once).
 
         Steps call it at every boundary; long loops of your own can too.
         """
@@ -207,6 +209,8 @@ class Context:
                 f"job {self.id} attempt {self.attempt}: "
                 + ("lease lost" if why == "lost" else "timed out")
             ))
+        if self._execution.cancel_requested:
+            raise self._control(CancelRequested(f"job {self.id}: cancel requested"))
 
     # -- Durable steps (§8.2) ---------------------------------------------------------
 

@@ -34,9 +34,12 @@ MAX_CONCURRENCY: Final = 65_535
 
 _LENGTH = struct.Struct(">I")
 
-#: Messages an executor or client sends.
+#: Messages an executor or client sends. ``concluded`` is belay's own, sent
+#: by its process pool's children: the outcome decided there (a retry, a
+#: snooze, a cancel, a park…), which ``succeeded``/``failed`` can't carry.
 REQUESTS: Final = frozenset({
     "hello", "register_tasks", "unregister_tasks", "started", "succeeded", "failed",
+    "concluded",
 })
 #: Messages the server sends.
 REPLIES: Final = frozenset({

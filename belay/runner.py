@@ -17,8 +17,10 @@ import signal
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -38,6 +40,7 @@ from belay.parts.hooks import OUTCOMES, Hooks, JobEnd
 from belay.parts.leases import Leases
 from belay.parts.maintenance import RECLAIM_LIMIT, Maintenance, registry_backoff
 from belay.parts.pool import WorkerPool
+from belay.parts.processes import ProcessPool, private_socket, remove_private
 from belay.parts.producer import HOT_WINDOW, IDLE_BACKSTOP, Producers, claim_jobs
 from belay.parts.queueconfig import QueueConfig
 from belay.parts.running import JobRunner, Middleware
@@ -127,6 +130,9 @@ class Worker:
         node_id: str | None = None,
         executor_socket: str | os.PathLike[str] | bool | None = None,
         executor_socket_mode: int = 0o600,
+        processes: int | None = None,
+        max_tasks_per_child: int | None = None,
+        max_memory_per_child: int | None = None,
     ) -> None:
         self.queues = parse_queues(queues)
         _check(lease_ttl=lease_ttl, poll_interval=poll_interval, busy_poll=busy_poll,
@@ -192,17 +198,37 @@ class Worker:
             connection=self.pools.connection, now=self._now, hold=self.leases.hold,
             submit=self.executor.submit, return_unknown=self.runner.return_unknown,
             on_crash=self.supervisor.report,
-            # Beside executors on the socket, this process claims only its own kinds.
-            kinds=None if executor_socket is None else self.registry.kinds,
+            # Beside executors on the socket, this process claims only its own
+            # kinds; beside a process pool, only the chunk workers' (they run here).
+            kinds=(None if executor_socket is None and processes is None
+                   else self._chunk_kinds if processes is not None else self.registry.kinds),
         )
         #: Executors on a Unix-domain socket (docs/executors.md), when asked for:
-        #: ``executor_socket=True`` takes the default path.
+        #: ``executor_socket=True`` takes the default path. A process pool
+        #: without one gets a private socket.
         self.executors: ExecutorServer | None = None
+        #: The process pool (docs/executors.md), with ``processes=N``.
+        self.processes: ProcessPool | None = None
+        self._private: Path | None = None
+        if processes is not None and executor_socket in (None, False):
+            executor_socket, self._private = private_socket()
+            weakref.finalize(self, remove_private, self._private)
         if executor_socket is not None and executor_socket is not False:
             self.executors = ExecutorServer(
                 self.client, list(self.queues),
                 path=None if executor_socket is True else executor_socket,
-                mode=executor_socket_mode, lease_ttl=self.lease_ttl)
+                mode=executor_socket_mode, lease_ttl=self.lease_ttl,
+                registry=self.registry if processes is not None else None)
+            self.executors.on_crash = self.supervisor.report
+        if processes is not None:
+            assert self.executors is not None
+            self.processes = ProcessPool(
+                self.executors, self.registry, self.client, processes=processes,
+                max_tasks_per_child=max_tasks_per_child,
+                max_memory_per_child=max_memory_per_child, notify=notify)
+        elif max_tasks_per_child is not None or max_memory_per_child is not None:
+            raise ConfigurationError("max_tasks_per_child and max_memory_per_child are "
+                                     "settings of a process pool: pass processes=N too")
         self.maintenance = Maintenance(
             self.pools.connection, self._now, backoff=registry_backoff(self.registry),
             announce=self.completer.announce, poke=self.completer.poke, keep=self.retention,
@@ -271,6 +297,8 @@ class Worker:
             self.supervisor.start("belay-queues", self._sync_loop)
             if self.executors is not None:
                 self.executors.start()
+            if self.processes is not None:
+                self.processes.start(on_crash=self.supervisor.report)
             listen = self.client.listen_conninfo
             if self.notify and listen is not None:
                 from belay.notify import Listener
@@ -296,6 +324,11 @@ class Worker:
         grace = self.shutdown_grace if grace is None else grace
         self.cron.stop()
         if self.executors is not None:
+            if self.processes is not None:
+                # Running jobs get the grace; what is still running after it
+                # goes back to its queue when its child stops.
+                self.executors.drain(self.shutdown_grace if grace is None else grace)
+                self.processes.stop()
             self.executors.stop()
         for service in services:
             if service.name == "belay-queues":
@@ -434,6 +467,10 @@ class Worker:
                 return
             self.executor.resize(sum(q.spec.limit for q in live))
             self.pools.resize(q.spec for q in live)
+
+    def _chunk_kinds(self) -> list[str]:
+        return [kind for kind in self.registry.kinds()
+                if (found := self.registry.get(kind)) is not None and found.chunk is not None]
 
     def _spec_for(self, queue: str) -> QueueSpec | None:
         live = self.producers.get(queue)

@@ -502,13 +502,13 @@ def queues_with_work(conn: Conn, queues: Sequence[str], now: datetime) -> set[st
 
 def renew_leases(
     conn: Conn, keys: Sequence[tuple[int, int]], node: str, until: datetime
-) -> set[tuple[int, int]]:
+) -> dict[tuple[int, int], bool]:
     """§6: renew every local lease in one statement; returns the (id, attempt)
-    pairs still held — any other is lost."""
+    pairs still held, each with its ``cancel_requested`` — any other is lost."""
     if not keys:
-        return set()
+        return {}
     held = _rows(conn, "renew_leases", {"ids": [k[0] for k in keys], "node": node, "until": until})
-    return {(r["id"], r["attempt"]) for r in held}
+    return {(r["id"], r["attempt"]): bool(r["cancel_requested"]) for r in held}
 
 
 @dataclass(frozen=True)

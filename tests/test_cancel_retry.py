@@ -566,3 +566,30 @@ def test_retry_in_a_committed_transaction_lands_on_commit(client, db_url, sql_co
 
     row = job_row(sql_conn, job)
     assert (row["state"], row["max_attempts"]) == ("ready", 4)
+
+
+def test_a_running_threads_checkpoint_sees_a_cancel_request(
+        client: belay.Belay, sql_conn: psycopg.Connection[Any]) -> None:
+    """A lease renewal reads ``cancel_requested``: a job that calls
+    ``ctx.checkpoint()`` in its own loop (no steps) stops there, cancelled."""
+    registry = belay.Registry()
+    started, loops = threading.Event(), []
+
+    @belay.worker(name="loop.checkpoint", registry=registry)
+    def looping(ctx: belay.Context) -> str:
+        started.set()
+        while len(loops) < 10_000:
+            loops.append(1)
+            ctx.checkpoint()
+            threading.Event().wait(0.01)
+        return "ran to the end"
+
+    job = client.enqueue("loop.checkpoint", {})
+    with belay.Worker({"default": 1}, client=client, registry=registry, lease_ttl=0.6,
+                      poll_interval=0.05, busy_poll=0.01):
+        assert started.wait(10)
+        assert client.cancel_job(job.id) == "requested"
+        wait_until(lambda: job_row(sql_conn, job.id)["state"] == "cancelled",
+                   "the checkpoint to stop the job", 10)
+    assert job_row(sql_conn, job.id)["errors"][-1]["reason"] == "cancel_requested"
+    assert len(loops) < 10_000

@@ -477,6 +477,43 @@ def test_timeout_ms_fails_the_attempt(sessions: WorkerSessions, client: belay.Be
     assert job_row(sql_conn, job.id)["result"] is None
 
 
+def test_an_operators_cancel_reaches_the_worker_as_cancel_execution(
+        sessions: WorkerSessions, client: belay.Belay, http: TestClient,
+        sql_conn: psycopg.Connection[Any]) -> None:
+    job = client.enqueue("t", {})
+    token = sessions.register("r", ["t"], 1)
+    event = sessions.claim(token, "default", 0)
+    assert event is not None and event["type"] == "execute"
+    client.cancel_job(job.id)
+    assert job_row(sql_conn, job.id)["state"] == "running"  # requested, not yet seen
+    sessions.tick()
+    row = job_row(sql_conn, job.id)
+    assert row["state"] == "cancelled" and row["errors"][-1]["reason"] == "cancel_requested"
+    # At capacity or not, the next claim returns the cancel, once.
+    response = http.post("/queues/default/claim", headers=auth(token), json={"wait_ms": 0})
+    assert response.status_code == 200
+    assert response.json() == {"type": "cancel_execution", "execution_id": event["execution_id"],
+                               "job_id": job.id, "attempt": 1, "reason": "cancel_requested"}
+    assert http.post("/queues/default/claim", headers=auth(token),
+                     json={"wait_ms": 0}).status_code == 204
+    with pytest.raises(StaleExecution):
+        sessions.complete(token, event["execution_id"], "success", result=1)
+    assert job_row(sql_conn, job.id)["result"] is None
+
+
+def test_a_timeout_reaches_the_worker_as_cancel_execution(
+        sessions: WorkerSessions, client: belay.Belay, ticker: Ticker) -> None:
+    client.enqueue("t", {}, meta={"$timeout_ms": 1000})
+    token = sessions.register("r", ["t"], 1)
+    event = sessions.claim(token, "default", 0)
+    assert event is not None
+    ticker.now += 2.0
+    sessions.tick()
+    cancel = sessions.claim(token, "default", 0)
+    assert cancel is not None and (cancel["type"], cancel["execution_id"], cancel["reason"]) \
+        == ("cancel_execution", event["execution_id"], "timeout")
+
+
 # -- Leases and sessions --------------------------------------------------------------------
 
 

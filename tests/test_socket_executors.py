@@ -272,6 +272,56 @@ def test_past_its_timeout_the_attempt_fails_and_the_executor_is_told(
     assert "timeout" in late["error"]["message"]
 
 
+def test_an_operators_cancel_ends_the_job_and_the_executor_is_told(
+        client: belay.Belay, server: ExecutorServer, executor: Executor,
+        sql_conn: Any) -> None:
+    executor.hello()
+    job = client.enqueue("sock.t")
+    event = executor.next("execute")
+    server.leases.renew()  # no cancel requested: nothing is sent
+    assert job_row(sql_conn, job.id)["state"] == "running"
+    assert client.cancel_job(job.id) == "requested"  # the job still runs
+    server.leases.renew()
+    cancel = executor.next("cancel_execution")
+    assert (cancel["execution_id"], cancel["job_id"], cancel["reason"]) == \
+        (event["execution_id"], job.id, "cancel_requested")
+    row = job_row(sql_conn, job.id)
+    assert row["state"] == "cancelled"
+    late = executor.reply_to(executor.send(
+        "succeeded", result=1, execution_id=event["execution_id"],
+        reservation_id=event["reservation_id"]))
+    assert late["error"]["code"] == "stale_execution"
+    assert job_row(sql_conn, job.id)["result"] is None
+    server.leases.renew()  # told once
+    executor.sock.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        executor.next("cancel_execution")
+
+
+def test_a_concluded_report_is_read_strictly(
+        client: belay.Belay, server: ExecutorServer, executor: Executor,
+        sql_conn: Any) -> None:
+    """``concluded`` (belay's own report, from its process pool) carries an
+    outcome or a park; anything else is refused and nothing is written."""
+    executor.hello()
+    job = client.enqueue("sock.t")
+    event = executor.next("execute")
+    ids = {"execution_id": event["execution_id"], "reservation_id": event["reservation_id"]}
+    for bad in ({}, {"outcome": {"kind": "exploded"}},
+                {"outcome": {"kind": "succeeded", "result_json": "{nope"}},
+                {"outcome": {"kind": "retry", "at": "tomorrow"}},
+                {"outcome": {"kind": "retry", "at": "2026-01-01T00:00:00"}},
+                {"outcome": {"kind": "failed", "error": ["x"]}},
+                {"park": {"scope": "", "name": "go"}}):
+        reply = executor.reply_to(executor.send("concluded", **ids, **bad))
+        assert reply["error"]["code"] == "invalid_request", bad
+        assert job_row(sql_conn, job.id)["state"] == "running"
+    reply = executor.reply_to(executor.send(
+        "concluded", **ids, outcome={"kind": "succeeded", "result_json": "[1, 2]"}))
+    assert (reply["type"], reply["state"]) == ("ok", "succeeded")
+    assert client.get_job(job.id).result == [1, 2]
+
+
 @pytest.mark.parametrize(("first", "code"), [
     ({"type": "register_tasks", "tasks": ["x"]}, "invalid_request"),
     ({"type": "hello", "mode": "worker", "runtime_id": "r", "max_concurrency": 0},

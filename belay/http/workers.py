@@ -237,6 +237,13 @@ def token_key(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def cancel_event(execution_id: str, job: Job, reason: str) -> dict[str, Any]:
+    """The seed's ``cancel_execution`` event: stop running this execution (its
+    attempt is already ended here; a report of it is stale)."""
+    return {"type": "cancel_execution", "execution_id": execution_id, "job_id": job.id,
+            "attempt": job.attempt, "reason": reason}
+
+
 def execute_event(execution_id: str, job: Job, timeout_ms: int | None,
                   lease_ttl: float) -> dict[str, Any]:
     """The seed's ``execute`` event for a claimed job."""
@@ -274,6 +281,8 @@ class _Session:
     closed: bool = False
     #: Claims waiting now: a session in a long-poll is alive, however long it waits.
     claiming: int = 0
+    #: ``cancel_execution`` events its next claims return, oldest first.
+    cancels: list[dict[str, Any]] = field(default_factory=list)
 
     def live(self) -> list[Execution]:
         return [e for e in self.executions.values() if e.ended is None]
@@ -394,7 +403,8 @@ class WorkerSessions:
         self._table = _SessionTable(self._lock, clock, self.session_ttl, self._release)
         self._stopped = threading.Event()
         self.leases = Leases("http", self.lease_ttl, self._db, client.clock.now,
-                             on_timeout=self._timed_out, clock=clock)
+                             on_timeout=self._timed_out, on_cancel=self._cancelled,
+                             clock=clock)
         self._service: Service | None = None
         #: What killed the heartbeat, once it died: no more claims here.
         self.crashed: BaseException | None = None
@@ -470,7 +480,9 @@ class WorkerSessions:
                 "capacity": session.registration.capacity, "node_id": session.node_id}
 
     def claim(self, token: str, queue: str, wait: float = MAX_WAIT) -> dict[str, Any] | None:
-        """One execute event for this session, or None after ``wait`` seconds without one."""
+        """One event for this session — a ``cancel_execution`` for one of its
+        running executions first, else an ``execute`` — or None after ``wait``
+        seconds without one."""
         session = self._table.get(token, touch=True)
         if queue != session.registration.queue:
             raise InvalidRequest(f"this worker registered for queue "
@@ -492,7 +504,7 @@ class WorkerSessions:
         deadline = time.monotonic() + wait
         interval = POLL_FIRST
         while True:
-            event = self._claim_once(session)
+            event = self._cancel_event(session) or self._claim_once(session)
             if event is not None:
                 return event
             left = deadline - time.monotonic()
@@ -610,6 +622,7 @@ class WorkerSessions:
         execution = Execution(job, None, None if timeout_ms is None else timeout_ms / 1000,
                               node=session.node_id, clock=self._clock)
         execution_id = f"{job.id}.{job.attempt}.{secrets.token_urlsafe(9)}"
+        execution.owner = (session, execution_id)
         with self._lock:
             if session.closed:  # dropped while claiming: the lease lapses, reclaim applies
                 return None
@@ -649,6 +662,31 @@ class WorkerSessions:
     def _timed_out(self, execution: Execution) -> None:
         job = execution.job
         self._ack(job, timeout_outcome(execution, self.client.clock.now(), job_backoff(job)))
+        self._tell_cancel(execution, "timeout")
+
+    def _cancelled(self, execution: Execution) -> None:
+        """A renewal saw the job's cancel request: it ends cancelled now (a
+        remote worker can't be relied on to stop), and the worker's next claim
+        returns ``cancel_execution``."""
+        with self._lock:
+            if not execution.end(ACKED):
+                return
+        job = execution.job
+        self._ack(job, Outcome("cancelled", error={"reason": "cancel_requested",
+                                                   "attempt": job.attempt}))
+        self._tell_cancel(execution, "cancel_requested")
+
+    def _tell_cancel(self, execution: Execution, reason: str) -> None:
+        if execution.owner is None:
+            return
+        session, execution_id = execution.owner
+        with self._lock:
+            if not session.closed:
+                session.cancels.append(cancel_event(execution_id, execution.job, reason))
+
+    def _cancel_event(self, session: _Session) -> dict[str, Any] | None:
+        with self._lock:
+            return session.cancels.pop(0) if session.cancels else None
 
     # -- The heartbeat service -----------------------------------------------------------
 
@@ -877,7 +915,7 @@ WORKER_OPENAPI_PATHS: dict[str, Any] = {
     },
     "/queues/{queue}/claim": {
         "post": {
-            "summary": "Long-poll for one execute event",
+            "summary": "Long-poll for one execute or cancel_execution event",
             "operationId": "claimJob",
             "security": _BEARER,
             "parameters": [{"name": "queue", "in": "path", "required": True,
@@ -887,17 +925,28 @@ WORKER_OPENAPI_PATHS: dict[str, Any] = {
                 "properties": {"wait_ms": {"type": "integer", "minimum": 0,
                                            "maximum": int(MAX_WAIT * 1000)}}}, required=False),
             "responses": {
-                "200": {"description": "an execute event", "content": {"application/json": {
-                    "schema": {"type": "object", "required": [
-                        "type", "execution_id", "job_id", "task", "args", "attempt"],
-                        "properties": {
-                            "type": {"const": "execute"}, "execution_id": _EXECUTION_ID,
-                            "job_id": {"type": "integer"}, "task": {"type": "string"},
-                            "args": {}, "attempt": {"type": "integer"},
-                            "max_attempts": {"type": "integer"},
-                            "timeout_ms": {"type": ["integer", "null"]},
-                            "queue": {"type": "string"}, "lease_ttl_ms": {"type": "integer"},
-                        }}}}},
+                "200": {"description": "an execute event, or a cancel_execution event for "
+                                       "a running execution (its attempt already ended: "
+                                       "stop it; a report of it is stale)",
+                        "content": {"application/json": {"schema": {"oneOf": [
+                            {"type": "object", "required": [
+                                "type", "execution_id", "job_id", "task", "args", "attempt"],
+                             "properties": {
+                                "type": {"const": "execute"}, "execution_id": _EXECUTION_ID,
+                                "job_id": {"type": "integer"}, "task": {"type": "string"},
+                                "args": {}, "attempt": {"type": "integer"},
+                                "max_attempts": {"type": "integer"},
+                                "timeout_ms": {"type": ["integer", "null"]},
+                                "queue": {"type": "string"},
+                                "lease_ttl_ms": {"type": "integer"}}},
+                            {"type": "object", "required": [
+                                "type", "execution_id", "job_id", "attempt", "reason"],
+                             "properties": {
+                                "type": {"const": "cancel_execution"},
+                                "execution_id": _EXECUTION_ID,
+                                "job_id": {"type": "integer"}, "attempt": {"type": "integer"},
+                                "reason": {"enum": ["timeout", "cancel_requested"]}}},
+                        ]}}}},
                 "204": {"description": "nothing to run within wait_ms"},
                 **_errors(400, 401, 413, 503)},
         },

@@ -65,6 +65,14 @@ class Execution:
         self.owner: Any = None
         #: Its success waits in the batched completer (its slot stays taken).
         self.ack_pending = False
+        #: A renewal saw the job's ``cancel_requested`` (an operator's cancel).
+        self.cancel_requested = False
+
+    def request_cancel(self) -> bool:
+        """Mark a cancel request seen; True the first time only."""
+        with self._lock:
+            first, self.cancel_requested = not self.cancel_requested, True
+            return first
 
     def take_credit(self) -> bool:
         """True the first time only: the claim's rate estimate is credited once per run."""

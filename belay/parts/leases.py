@@ -7,6 +7,10 @@ for that node is lost (the job was reclaimed): its execution ends ``"lost"``
 and may never ack. An execution past its ``timeout`` ends ``"timeout"`` and
 its owner fails the attempt at once (``on_timeout``); the thread running it
 can't be killed, so its slot stays taken until the function returns.
+A renewal also reads each job's ``cancel_requested``: the first time it is
+seen, the execution is marked and ``on_cancel`` (when given) is told — the
+executors in other processes end the attempt and are sent
+``cancel_execution``; a thread's job stops at its next step or checkpoint.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Leases:
         now: Callable[[], datetime],
         *,
         on_timeout: Callable[[Execution], None],
+        on_cancel: Callable[[Execution], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node_id = node_id
@@ -63,6 +68,7 @@ class Leases:
         self._connection = connection
         self._now = now
         self._on_timeout = on_timeout
+        self._on_cancel = on_cancel
         self._clock = clock
         self._lock = threading.Lock()
         self._held: dict[tuple[int, int], Execution] = {}
@@ -121,14 +127,25 @@ class Leases:
         for execution in live:
             by_node.setdefault(execution.node or self.node_id, []).append(execution)
         lost: list[Execution] = []
+        cancelled: list[Execution] = []
         until = self.lease_until(self._now())
         with self._connection() as conn:
             for node, executions in by_node.items():
                 held = store.renew_leases(conn, [e.key for e in executions], node, until)
                 lost += [e for e in executions if e.key not in held and e.end(LOST)]
+                cancelled += [e for e in executions if held.get(e.key) and e.request_cancel()]
         for execution in lost:
             log.warning("belay: lost the lease of job %d attempt %d; its result will be "
                         "discarded", execution.job.id, execution.job.attempt)
+        for execution in cancelled:
+            if self._on_cancel is not None and execution.ended is None:
+                try:
+                    self._on_cancel(execution)
+                except Exception:
+                    log.exception("belay: cancelling job %d attempt %d failed; its lease "
+                                  "is renewed and the next renewal tries again",
+                                  execution.job.id, execution.job.attempt)
+                    execution.cancel_requested = False
         return lost
 
     def enforce_timeouts(self) -> list[Execution]:

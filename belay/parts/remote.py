@@ -9,7 +9,9 @@ which each transport answers in its own words (a 400, an ``error`` frame).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
@@ -108,3 +110,58 @@ def reported(job: Job, outcome: str, result: Any, error: Any, now: datetime, *,
         entry = error_entry(error, job.attempt, check_details=check_details)
         return retry_or_fail(entry, job.attempt, job.max_attempts, now, job_backoff(job))
     raise ReportRefused(f'outcome must be "success" or "failure", got {outcome!r}')
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A ``concluded`` park: the job waits for signal ``name`` in ``scope``."""
+
+    scope: str
+    name: str
+    deadline: datetime | None
+
+
+#: The outcomes a ``concluded`` report may carry.
+CONCLUDED_KINDS: Final = frozenset({"succeeded", "retry", "failed", "cancelled", "snooze"})
+
+
+def concluded(message: Mapping[str, Any]) -> Outcome | Parked:
+    """Read a ``concluded`` report (belay's extension, sent by its own
+    process-pool children): the outcome the child decided, or a park."""
+    park = message.get("park")
+    if park is not None:
+        if not isinstance(park, Mapping) or not all(
+                isinstance(park.get(k), str) and park.get(k) for k in ("scope", "name")):
+            raise ReportRefused("park is an object with a scope and a name (strings)")
+        return Parked(park["scope"], park["name"], _instant(park.get("deadline"), "deadline"))
+    outcome = message.get("outcome")
+    if not isinstance(outcome, Mapping) or outcome.get("kind") not in CONCLUDED_KINDS:
+        raise ReportRefused("concluded carries an outcome with a kind (one of "
+                            f"{', '.join(sorted(CONCLUDED_KINDS))}) or a park")
+    text = outcome.get("result_json")
+    result: bytes | None = None
+    if text is not None:
+        if not isinstance(text, str):
+            raise ReportRefused("outcome.result_json is the result as JSON text, or null")
+        result = text.encode("utf-8")
+        try:
+            orjson.loads(result)
+        except orjson.JSONDecodeError:
+            raise ReportRefused("outcome.result_json is not JSON") from None
+    error = outcome.get("error")
+    if error is not None and not isinstance(error, Mapping):
+        raise ReportRefused("outcome.error is an object, or null")
+    return Outcome(outcome["kind"], result=result,
+                   error=None if error is None else dict(error),
+                   at=_instant(outcome.get("at"), "at"))
+
+
+def _instant(value: Any, what: str) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            found = datetime.fromisoformat(value)
+            if found.tzinfo is not None:
+                return found
+    raise ReportRefused(f"{what} is an ISO 8601 time with its offset, or null")

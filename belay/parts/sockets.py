@@ -17,7 +17,9 @@ executor connected on the socket that registered its task:
    ``ok`` with the job's state, or an ``error`` (``stale_execution``,
    ``invalid_request``, ``unavailable``);
 4. past its timeout, the attempt is failed and the executor is sent
-   ``cancel_execution`` (best effort).
+   ``cancel_execution`` (best effort); so is it once a lease renewal sees an
+   operator's cancel request — the job is then cancelled here at once, and a
+   later report of that execution is stale.
 
 A connection that closes — or sends a broken frame, which closes it — gives
 its in-flight jobs back at once without using an attempt (a snooze): an
@@ -41,6 +43,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +58,18 @@ from belay.parts.completer import ack_on
 from belay.parts.execution import ACKED, LOST, Execution
 from belay.parts.leases import Leases, timeout_outcome
 from belay.parts.producer import claim_jobs
-from belay.parts.remote import ReportRefused, job_backoff, reported, timeout_of
+from belay.parts.remote import (
+    Parked,
+    ReportRefused,
+    concluded,
+    job_backoff,
+    reported,
+    timeout_of,
+)
 from belay.parts.service import Service
 from belay.queues import QueueSpec
 from belay.queues import merge as merge_queues
+from belay.registry import Registry, WorkerDef
 
 log = logging.getLogger("belay.executors")
 
@@ -116,6 +127,10 @@ class ExecutorServer:
         clock: Callable[[], float] = time.monotonic,
         hello_timeout: float = HELLO_TIMEOUT,
         send_timeout: float = SEND_TIMEOUT,
+        on_cancel: Callable[[str, int, str], None] | None = None,
+        on_disconnect: Callable[[str, list[Job]], list[Job]] | None = None,
+        on_connect: Callable[[str], None] | None = None,
+        registry: Registry | None = None,
     ) -> None:
         if mode not in socketpath.MODES:
             raise socketpath.SocketPathError(
@@ -128,11 +143,26 @@ class ExecutorServer:
         self.hello_timeout = hello_timeout
         self.send_timeout = send_timeout
         self._clock = clock
+        #: ``on_cancel(runtime_id, job_id, reason)``: after ``cancel_execution``
+        #: went to an executor (the process pool kills that child).
+        self.on_cancel = on_cancel
+        #: ``on_disconnect(runtime_id, jobs)`` → the jobs still to give back
+        #: (the process pool fails the attempt of a child that died instead).
+        self.on_disconnect = on_disconnect
+        #: ``on_crash(service, exc)``: one of the server's services died (the
+        #: worker's crash policy).
+        self.on_crash: Callable[[Service, BaseException], None] | None = None
+        #: ``on_connect(runtime_id)``: after an executor's hello was accepted.
+        self.on_connect = on_connect
+        #: Where a kind's timeout and backoff come from, for the kinds it knows
+        #: (the process pool's); other kinds take them from the job's meta.
+        self.registry = registry
         self._lock = threading.Lock()
         self._connections: dict[int, _Connection] = {}
         self._numbers = itertools.count(1)
         self.leases = Leases("socket", lease_ttl, client.connection, client.clock.now,
-                             on_timeout=self._timed_out, clock=clock)
+                             on_timeout=self._timed_out, on_cancel=self._cancelled,
+                             clock=clock)
         self._listener: socket.socket | None = None
         self._services: list[Service] = []
         self._dispatch: Service | None = None
@@ -184,6 +214,23 @@ class ExecutorServer:
         lost = self.leases.lose_all()
         log.critical("belay: the executor server's %s crashed; it dispatches no more and "
                      "executions %s are lost", service.name, [e.job.id for e in lost])
+        if self.on_crash is not None:
+            self.on_crash(service, exc)
+
+    def drain(self, grace: float) -> list[int]:
+        """Stop dispatching and wait up to ``grace`` seconds for the executions
+        in flight to be reported; returns the job ids still running then."""
+        if self._dispatch is not None:
+            self._dispatch.stop()
+            self._dispatch.join(5.0)
+        deadline = self._clock() + grace
+        while True:
+            with self._lock:
+                running = [r.execution.job.id for c in self._connections.values()
+                           for r in c.running.values() if r.execution.ended is None]
+            if not running or self._clock() >= deadline:
+                return running
+            time.sleep(0.05)
 
     def __enter__(self) -> ExecutorServer:
         self.start()
@@ -254,12 +301,15 @@ class ExecutorServer:
         with contextlib.suppress(OSError):
             connection.sock.shutdown(socket.SHUT_RDWR)
         connection.sock.close()
-        back = 0
+        ours = []
         for item in running:
             execution = item.execution
             self.leases.release(execution)
             if execution.end(LOST):
-                back += self._give_back(execution.job)
+                ours.append(execution.job)
+        if ours and self.on_disconnect is not None:
+            ours = self.on_disconnect(connection.runtime_id, ours)
+        back = sum(self._give_back(job) for job in ours)
         if connection.runtime_id:
             log.info("belay: executor %s disconnected (%s); %d job(s) back to their queues",
                      connection.node_id, why, back)
@@ -269,7 +319,7 @@ class ExecutorServer:
         log.error("belay: job %d attempt %d: %s", job.id, job.attempt, why)
         now = self.client.clock.now()
         outcome = retry_or_fail({"error": f"ValidationError: {why}", "attempt": job.attempt},
-                                job.attempt, job.max_attempts, now, job_backoff(job))
+                                job.attempt, job.max_attempts, now, self.backoff(job))
         with self.client.connection() as conn:
             ack_on(conn, job, outcome, now, self._announce)
 
@@ -310,10 +360,50 @@ class ExecutorServer:
 
     def _timed_out(self, execution: Execution) -> None:
         job = execution.job
+        self.ack(job, timeout_outcome(execution, self.client.clock.now(), self.backoff(job)))
+        self._tell_cancel(execution, "timeout")
+
+    def _cancelled(self, execution: Execution) -> None:
+        """A renewal saw the job's cancel request: it ends cancelled here now
+        (an executor can't be relied on to stop), and its executor is told."""
+        if not execution.end(ACKED):
+            return
+        job = execution.job
+        log.info("belay: job %d attempt %d: cancel requested; cancelling its execution",
+                 job.id, job.attempt)
+        self.ack(job, Outcome("cancelled", error={"reason": "cancel_requested",
+                                                  "attempt": job.attempt}))
+        self._tell_cancel(execution, "cancel_requested")
+
+    def _definition(self, job: Job) -> WorkerDef | None:
+        return None if self.registry is None else self.registry.get(job.kind)
+
+    def backoff(self, job: Job) -> Callable[[int], float]:
+        definition = self._definition(job)
+        return job_backoff(job) if definition is None else definition.backoff
+
+    def timeout_ms(self, job: Job) -> int | None:
+        definition = self._definition(job)
+        if definition is None:
+            return timeout_of(job)
+        return None if definition.timeout is None else int(definition.timeout * 1000)
+
+    def park(self, job: Job, scope: str, name: str, deadline: datetime | None) -> str | None:
+        """§7 park-and-wake of the claimed attempt: "awaiting", "ready" (the
+        signal was there: it runs again now), or None when stale."""
+        now = self.client.clock.now()
+        with self.client.connection() as conn, conn.transaction():
+            parked = store.park_await(conn, job.id, job.attempt, scope, name, deadline, now)
+            if parked == "ready":
+                self.client.poke(conn, [job.queue])
+        return parked
+
+    def ack(self, job: Job, outcome: Outcome) -> store.Acked | None:
+        """One fenced ack of ``job``'s claimed attempt (None when stale)."""
         with self.client.connection() as conn:
-            ack_on(conn, job, timeout_outcome(execution, self.client.clock.now(),
-                                              job_backoff(job)),
-                   self.client.clock.now(), self._announce)
+            return ack_on(conn, job, outcome, self.client.clock.now(), self._announce)
+
+    def _tell_cancel(self, execution: Execution, reason: str) -> None:
         connection: _Connection | None = execution.owner
         if connection is None:
             return
@@ -322,7 +412,9 @@ class ExecutorServer:
         for execution_id in ids:
             self._send(connection, protocol.message(
                 "cancel_execution", f"cancel-{execution_id}", execution_id=execution_id,
-                job_id=job.id, reason="timeout"))
+                job_id=execution.job.id, reason=reason))
+        if ids and self.on_cancel is not None:
+            self.on_cancel(connection.runtime_id, execution.job.id, reason)
 
     # -- Dispatch ----------------------------------------------------------------------------
 
@@ -373,7 +465,7 @@ class ExecutorServer:
         return sent
 
     def _execute(self, connection: _Connection, job: Job) -> int:
-        timeout_ms = timeout_of(job)
+        timeout_ms = self.timeout_ms(job)
         execution = Execution(job, None, None if timeout_ms is None else timeout_ms / 1000,
                               node=connection.node_id, clock=self._clock)
         execution.owner = connection
@@ -462,6 +554,8 @@ class _Requests:
             "hello_ok", request_id, node_id=connection.node_id))
         log.info("belay: executor %s connected (capacity %d)", connection.node_id,
                  hello.max_concurrency)
+        if self.server.on_connect is not None:
+            self.server.on_connect(hello.runtime_id)
 
     def _answer(self, connection: _Connection, kind: str,
                 message: dict[str, Any]) -> dict[str, Any]:
@@ -483,7 +577,7 @@ class _Requests:
         if kind == "started":
             self._running(connection, message).started = True
             return protocol.message("ok", request_id)
-        if kind in ("succeeded", "failed"):
+        if kind in ("succeeded", "failed", "concluded"):
             return self._complete(connection, kind, message)
         raise ReportRefused(f"an executor does not send {kind!r}")
 
@@ -506,25 +600,34 @@ class _Requests:
                   message: dict[str, Any]) -> dict[str, Any]:
         item = self._running(connection, message)
         execution, job = item.execution, item.execution.job
-        now = self.server.client.clock.now()
-        decided = reported(job, "success" if kind == "succeeded" else "failure",
-                           message.get("result"), message.get("error"), now)
+        server = self.server
+        now = server.client.clock.now()
+        decided: Outcome | Parked
+        if kind == "concluded":
+            decided = concluded(message)
+        else:
+            decided = reported(job, "success" if kind == "succeeded" else "failure",
+                               message.get("result"), message.get("error"), now)
         if not execution.end(ACKED):
             raise _Stale(f"execution {message['execution_id']!r} ended here "
                          f"({execution.ended}); its outcome is discarded")
         try:
-            server = self.server
-            with server.client.connection() as conn:
-                acked = ack_on(conn, job, decided, server.client.clock.now(), server._announce)
+            if isinstance(decided, Parked):
+                parked = server.park(job, decided.scope, decided.name, decided.deadline)
+                state = None if parked is None else \
+                    "ready" if parked == "ready" else "awaiting"
+            else:
+                acked = server.ack(job, decided)
+                state = None if acked is None else acked.job.state
         except BaseException:
             execution.reopen(ACKED)  # nothing written: the executor may report it again
             raise
-        self.server._forget(connection, message["execution_id"])
-        if acked is None:
+        server._forget(connection, message["execution_id"])
+        if state is None:
             raise _Stale(f"job {job.id} attempt {job.attempt} was reclaimed or finished "
                          "meanwhile; this outcome was discarded")
         return protocol.message("ok", message["request_id"], job_id=job.id,
-                                state=acked.job.state, attempt=job.attempt)
+                                state=state, attempt=job.attempt)
 
 
 class _Refused(Exception):

@@ -413,7 +413,9 @@ WHERE EXISTS (
 -- name: renew_leases
 -- §6: one statement renews every local lease; a pair not returned is lost.
 -- Rows are locked in id order, as ack_succeeded_many locks them, so a renewal
--- and a batched ack of the same rows queue up instead of deadlocking.
+-- and a batched ack of the same rows queue up instead of deadlocking. Each
+-- row says whether a cancel was requested (executors in other processes are
+-- told; a thread's job sees it at its next step).
 WITH mine AS (
   SELECT id FROM belay_jobs
   WHERE id = ANY(%(ids)s::bigint[]) AND state = 'running' AND leased_by = %(node)s
@@ -423,7 +425,7 @@ WITH mine AS (
 UPDATE belay_jobs AS j SET lease_until = %(until)s
 FROM mine
 WHERE j.id = mine.id
-RETURNING j.id, j.attempt;
+RETURNING j.id, j.attempt, j.cancel_requested;
 
 -- name: ack_succeeded
 -- §7 acks: each fenced on the claimed attempt; zero rows means a stale ack.
