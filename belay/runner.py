@@ -220,6 +220,7 @@ class Worker:
                 mode=executor_socket_mode, lease_ttl=self.lease_ttl,
                 registry=self.registry if processes is not None else None)
             self.executors.on_crash = self.supervisor.report
+            self.executors.hooks = self.hooks
         if processes is not None:
             assert self.executors is not None
             self.processes = ProcessPool(

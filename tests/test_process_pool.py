@@ -4,6 +4,8 @@ speak the executor protocol on a private socket, against a real PostgreSQL."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +16,7 @@ import belay
 from belay.errors import ConfigurationError
 from belay.runner import Worker
 from tests import pool_jobs
-from tests.helpers import job_row, wait_until
+from tests.helpers import Ends, job_row, wait_until
 
 Q = pool_jobs.QUEUE
 
@@ -107,10 +109,16 @@ def test_a_cancel_kills_the_running_child(real_client: belay.Belay,
 def test_a_child_killed_mid_job_fails_that_attempt(
         real_client: belay.Belay, sql_conn: psycopg.Connection[Any]) -> None:
     job_id = real_client.enqueue("pool.die", {}).id
-    with pool(real_client, processes=1):
+    worker = pool(real_client, processes=1)
+    ends = Ends()
+    worker.on_job_end(ends)
+    with worker:
         row = finished(sql_conn, job_id)
+        ends.wait_for(2)
     assert row["state"] == "succeeded" and row["attempt"] == 2
     assert "ProcessDied" in str(row["errors"]) and "SIGKILL" in str(row["errors"])
+    # The worker's hooks hear of process-run jobs too (metrics count them).
+    assert [(e.job.attempt, e.outcome) for e in ends.events] == [(1, "retry"), (2, "succeeded")]
 
 
 def test_a_parked_job_resumes_in_a_child(real_client: belay.Belay,
@@ -192,3 +200,31 @@ def _alive(pid: int) -> bool:
         return False
     return True
 
+
+
+SCRIPT = '''
+import os, sys
+import belay
+
+@belay.worker(name="script.pid")
+def pid(ctx):
+    return os.getpid()
+
+if __name__ == "__main__":
+    client = belay.Belay(sys.argv[1])
+    job = client.enqueue(pid)
+    with belay.Worker({"default": 1}, client=client, processes=1, shutdown_grace=1):
+        ran_in = client.await_result(job.id, timeout=30)
+    print(ran_in != os.getpid())
+'''
+
+
+def test_functions_of_the_main_script_run_in_children(db_url: str, tmp_path: Any) -> None:
+    """A worker function defined in the script being run: each child runs the
+    script again as ``__mp_main__`` (its ``__main__`` block doesn't run)."""
+    script = tmp_path / "jobs_script.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script), db_url], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

@@ -41,9 +41,9 @@ from pathlib import Path
 
 from belay.client import Belay
 from belay.errors import ConfigurationError
-from belay.job import Job
 from belay.outcome import retry_or_fail
 from belay.parts.child import ENV, Settings
+from belay.parts.execution import Execution
 from belay.parts.service import Service
 from belay.parts.sockets import ExecutorServer
 from belay.registry import DEFAULT_REGISTRY, Registry
@@ -252,28 +252,30 @@ class ProcessPool:
         with contextlib.suppress(ProcessLookupError):
             child.process.kill()
 
-    def disconnected(self, runtime_id: str, jobs: list[Job]) -> list[Job]:
-        """A child's connection closed with ``jobs`` in flight: when the child
-        died (not stopped by the pool), each attempt fails with its exit
-        status; returns the jobs to give back without using an attempt."""
+    def disconnected(self, runtime_id: str, executions: list[Execution]) -> list[Execution]:
+        """A child's connection closed with ``executions`` in flight: when the
+        child died (not stopped by the pool), each attempt fails with its exit
+        status; returns the executions to give back without using an attempt."""
         with self._lock:
             child = self._children.get(runtime_id)
         if child is None or self._stopping or child.killed is not None:
-            return jobs
+            return executions
         try:
             code = child.process.wait(2.0)
         except subprocess.TimeoutExpired:
-            return jobs  # alive, only its connection went: an interruption
-        for job in jobs:
+            return executions  # alive, only its connection went: an interruption
+        for execution in executions:
+            job = execution.job
             definition = self.registry.get(job.kind)
-            now = self.client.clock.now()
             error = {"error": f"ProcessDied: the process running the job exited "
                               f"({describe_exit(code)}): out of memory, a crash in native "
                               "code, or killed", "attempt": job.attempt}
             backoff = definition.backoff if definition is not None else (lambda _: 0.0)
-            outcome = retry_or_fail(error, job.attempt, job.max_attempts, now, backoff)
+            outcome = retry_or_fail(error, job.attempt, job.max_attempts,
+                                    self.client.clock.now(), backoff)
             log.error("belay: job %d attempt %d: %s", job.id, job.attempt, error["error"])
-            self.server.ack(job, outcome)
+            acked = self.server.ack(job, outcome)
+            self.server.ended(execution, outcome.kind if acked else "stale", error)
         return []
 
 

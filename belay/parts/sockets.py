@@ -56,6 +56,7 @@ from belay.job import Job
 from belay.outcome import Outcome, retry_or_fail
 from belay.parts.completer import ack_on
 from belay.parts.execution import ACKED, LOST, Execution
+from belay.parts.hooks import Hooks
 from belay.parts.leases import Leases, timeout_outcome
 from belay.parts.producer import claim_jobs
 from belay.parts.remote import (
@@ -128,7 +129,7 @@ class ExecutorServer:
         hello_timeout: float = HELLO_TIMEOUT,
         send_timeout: float = SEND_TIMEOUT,
         on_cancel: Callable[[str, int, str], None] | None = None,
-        on_disconnect: Callable[[str, list[Job]], list[Job]] | None = None,
+        on_disconnect: Callable[[str, list[Execution]], list[Execution]] | None = None,
         on_connect: Callable[[str], None] | None = None,
         registry: Registry | None = None,
     ) -> None:
@@ -146,9 +147,12 @@ class ExecutorServer:
         #: ``on_cancel(runtime_id, job_id, reason)``: after ``cancel_execution``
         #: went to an executor (the process pool kills that child).
         self.on_cancel = on_cancel
-        #: ``on_disconnect(runtime_id, jobs)`` → the jobs still to give back
-        #: (the process pool fails the attempt of a child that died instead).
+        #: ``on_disconnect(runtime_id, executions)`` → the ones still to give
+        #: back (the process pool fails the attempt of a child that died instead).
         self.on_disconnect = on_disconnect
+        #: The worker's ``on_job_start``/``on_job_end`` hooks, when it has them:
+        #: called as executors report starts and ends (metrics count their jobs).
+        self.hooks: Hooks | None = None
         #: ``on_crash(service, exc)``: one of the server's services died (the
         #: worker's crash policy).
         self.on_crash: Callable[[Service, BaseException], None] | None = None
@@ -306,10 +310,13 @@ class ExecutorServer:
             execution = item.execution
             self.leases.release(execution)
             if execution.end(LOST):
-                ours.append(execution.job)
+                ours.append(execution)
         if ours and self.on_disconnect is not None:
             ours = self.on_disconnect(connection.runtime_id, ours)
-        back = sum(self._give_back(job) for job in ours)
+        back = 0
+        for execution in ours:
+            back += self._give_back(execution.job)
+            self.ended(execution, "lost")
         if connection.runtime_id:
             log.info("belay: executor %s disconnected (%s); %d job(s) back to their queues",
                      connection.node_id, why, back)
@@ -358,9 +365,16 @@ class ExecutorServer:
         self.client.poke(conn, {q for _, q in acked.settled.ready},
                          results + acked.settled.cancelled)
 
+    def ended(self, execution: Execution, outcome: str, error: Any = None) -> None:
+        """Tell the ``on_job_end`` hooks (when there are any)."""
+        if self.hooks is not None:
+            self.hooks.finished(execution.job, outcome, execution.elapsed(), error)
+
     def _timed_out(self, execution: Execution) -> None:
         job = execution.job
-        self.ack(job, timeout_outcome(execution, self.client.clock.now(), self.backoff(job)))
+        outcome = timeout_outcome(execution, self.client.clock.now(), self.backoff(job))
+        self.ack(job, outcome)
+        self.ended(execution, "timeout", outcome.error)
         self._tell_cancel(execution, "timeout")
 
     def _cancelled(self, execution: Execution) -> None:
@@ -371,8 +385,9 @@ class ExecutorServer:
         job = execution.job
         log.info("belay: job %d attempt %d: cancel requested; cancelling its execution",
                  job.id, job.attempt)
-        self.ack(job, Outcome("cancelled", error={"reason": "cancel_requested",
-                                                  "attempt": job.attempt}))
+        error = {"reason": "cancel_requested", "attempt": job.attempt}
+        acked = self.ack(job, Outcome("cancelled", error=error))
+        self.ended(execution, "cancelled" if acked else "stale", error)
         self._tell_cancel(execution, "cancel_requested")
 
     def _definition(self, job: Job) -> WorkerDef | None:
@@ -575,7 +590,10 @@ class _Requests:
             self.server._wake()
             return protocol.message("ok", request_id, tasks=registered)
         if kind == "started":
-            self._running(connection, message).started = True
+            item = self._running(connection, message)
+            if not item.started and self.server.hooks is not None:
+                self.server.hooks.started(item.execution)
+            item.started = True
             return protocol.message("ok", request_id)
         if kind in ("succeeded", "failed", "concluded"):
             return self._complete(connection, kind, message)
@@ -616,13 +634,17 @@ class _Requests:
                 parked = server.park(job, decided.scope, decided.name, decided.deadline)
                 state = None if parked is None else \
                     "ready" if parked == "ready" else "awaiting"
+                outcome = "woken" if parked == "ready" else "await"
             else:
                 acked = server.ack(job, decided)
                 state = None if acked is None else acked.job.state
+                outcome = decided.kind
         except BaseException:
             execution.reopen(ACKED)  # nothing written: the executor may report it again
             raise
         server._forget(connection, message["execution_id"])
+        server.ended(execution, "stale" if state is None else outcome,
+                     None if isinstance(decided, Parked) else decided.error)
         if state is None:
             raise _Stale(f"job {job.id} attempt {job.attempt} was reclaimed or finished "
                          "meanwhile; this outcome was discarded")
