@@ -42,6 +42,7 @@ from belay.queues import QueueSpec
 from belay.queues import parse_spec as parse_queue_spec
 from belay.redact import redact, secrets_of
 from belay.registry import DEFAULT_REGISTRY, Registry
+from belay.schedules import Schedule, SchedulePage
 from belay.workflow import Workflow, member_errors
 
 Conn = psycopg.Connection[Any]
@@ -711,6 +712,10 @@ class Belay:
         anything is written. A paused cron stays paused."""
         values = dynamic_values(name, expression, worker, input, options)
         with self.transaction(conn) as active:
+            if store.schedule_cancelled(active, values["name"]) is not None:
+                raise ValidationError(
+                    f"{values['name']!r} is the name of a schedule; a name is a cron or a "
+                    "schedule: pick another name")
             return DynamicCron.from_row(store.put_cron(active, values, self.clock.now()))
 
     def delete_cron(self, name: str, *, conn: Conn | None = None) -> bool:
@@ -737,6 +742,82 @@ class Belay:
         """Every dynamic cron (``belay_crons`` row), by name, as stored."""
         with self.connection(conn) as active:
             return [DynamicCron.from_row(row) for row in store.list_crons(active)]
+
+    # -- Schedules (docs/cron.md) ----------------------------------------------------
+
+    def schedule(
+        self,
+        name: str,
+        expression: str,
+        worker: Any,
+        input: Mapping[str, Any] | None = None,
+        *,
+        overlap: str = "skip",
+        catch_up: str = "latest",
+        conn: Conn | None = None,
+        **options: Any,
+    ) -> Schedule:
+        """Create or redeclare the schedule ``name``: a cron with an overlap
+        policy (``skip``, ``queue`` or ``allow``) and a catch-up mode
+        (``latest`` or ``all``), see :mod:`belay.schedules`. Redeclaring the
+        same definition changes nothing; a different one bumps the revision
+        and keeps the cursor; a cancelled schedule comes back. Options are
+        enqueue options (queue, priority, max_attempts, meta, budget,
+        partition_key, encrypt), checked before anything is written."""
+        from belay.schedules import declare
+
+        declaration = declare(name, expression, worker, input, overlap=overlap,
+                              catch_up=catch_up, options=options)
+        with self.transaction(conn) as active:
+            if store.cron_named(active, declaration.name):
+                raise ValidationError(
+                    f"{declaration.name!r} is the name of a cron (a belay_crons row); a name "
+                    "is a cron or a schedule: pick another name, or delete the cron first")
+            store.declare_schedule(active, declaration.values(self.clock.now()))
+            found = store.get_schedule(active, declaration.name)
+        assert found is not None
+        return Schedule.from_row(found)
+
+    def cancel_schedule(self, name: str, *, conn: Conn | None = None) -> bool:
+        """Stop a schedule firing (its status stays readable; declaring it again
+        brings it back); False when there is no live schedule of that name. A
+        job already fired runs on: cancel it with ``cancel_job``."""
+        names.check_text(name, "a schedule name")
+        with self.transaction(conn) as active:
+            return store.cancel_schedule(active, name, self.clock.now())
+
+    def schedule_status(self, name: str, *, conn: Conn | None = None) -> Schedule | None:
+        """A schedule's definition and state (cursor, next occurrence, active
+        job), or None when there is none."""
+        names.check_text(name, "a schedule name")
+        with self.connection(conn) as active:
+            found = store.get_schedule(active, name)
+        return None if found is None else Schedule.from_row(found)
+
+    def schedule_page(self, limit: int | None = None, cursor: str | None = None, *,
+                      conn: Conn | None = None) -> SchedulePage:
+        """One page of schedules by name (``limit`` 1 to 100, default 50) after
+        ``cursor`` (a name, exclusive); ``next_cursor`` is None on the last page."""
+        from belay.schedules import page_limit
+
+        size = page_limit(limit)
+        if cursor is not None:
+            names.check_text(cursor, "a schedule cursor")
+        with self.connection(conn) as active:
+            rows = store.schedule_page(active, cursor, size + 1)
+        found = [Schedule.from_row(row) for row in rows[:size]]
+        return SchedulePage(found, found[-1].name if len(rows) > size else None)
+
+    def schedules(self, *, conn: Conn | None = None) -> list[Schedule]:
+        """Every schedule by name, cancelled ones included (pages fetched in turn)."""
+        found: list[Schedule] = []
+        cursor: str | None = None
+        while True:
+            page = self.schedule_page(None, cursor, conn=conn)
+            found += page.schedules
+            if page.next_cursor is None:
+                return found
+            cursor = page.next_cursor
 
     # -- Dynamic queues (§8.6) -------------------------------------------------------
 

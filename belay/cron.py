@@ -47,6 +47,7 @@ from belay.registry import Registry, WorkerDef
 
 if TYPE_CHECKING:
     from belay.client import Belay
+    from belay.schedules import Declaration
 
 log = logging.getLogger("belay.cron")
 
@@ -86,7 +87,8 @@ _REFUSED: Final = {
     "delay": "a cron job is due at its slot; change the expression instead",
     "run_at": "a cron job is due at its slot; change the expression instead",
 }
-_STATIC_KEYS: Final = ("name", "expression", "worker", "input", "catch_up", "paused", *OPTIONS)
+_STATIC_KEYS: Final = ("name", "expression", "worker", "input", "catch_up", "paused", "overlap",
+                       *OPTIONS)
 
 
 def _croniter() -> Any:
@@ -193,18 +195,21 @@ def _check_field(source: str, name: str, text: str) -> None:
             )
 
 
-def due_slots(expr: CronExpr, after: datetime, until: datetime) -> list[datetime]:
-    """The minute slots ``expr`` matches in ``(after, until]``, in order (UTC)."""
+def due_slots(expr: CronExpr, after: datetime, until: datetime,
+              limit: int | None = None) -> list[datetime]:
+    """The minute slots ``expr`` matches in ``(after, until]``, in order (UTC);
+    the first ``limit`` of them when given."""
     after, until = as_utc("after", after), as_utc("until", until)
     found: list[datetime] = []
     if until <= after:
         return found
     schedule = _croniter().croniter(expr.spec, after)
-    while True:
+    while limit is None or len(found) < limit:
         candidate = slot(schedule.get_next(datetime))
         if candidate > until:
             return found
         found.append(candidate)
+    return found
 
 
 def latest_slot(expr: CronExpr, until: datetime) -> datetime:
@@ -270,7 +275,7 @@ class CronEntry:
             kind_of(self.worker)
         except ValidationError as exc:
             raise ConfigurationError(f"{label}: {exc}") from None
-        _check_option_names(label, self.options, OPTIONS, ConfigurationError)
+        check_option_names(label, self.options, OPTIONS, ConfigurationError)
         catch_up = self.catch_up
         if isinstance(catch_up, timedelta):
             catch_up = catch_up.total_seconds()
@@ -288,7 +293,7 @@ class CronEntry:
         object.__setattr__(self, "input", input_)
         object.__setattr__(self, "options", dict(self.options))
         try:
-            _check_values(self.worker, input_, self.options)
+            check_values(self.worker, input_, self.options)
         except ValidationError as exc:
             raise ConfigurationError(f"{label}: {exc}") from None
 
@@ -297,7 +302,7 @@ class CronEntry:
         return kind_of(self.worker)[0]
 
 
-def _check_option_names(
+def check_option_names(
     label: str, options: Any, allowed: Sequence[str], error: type[BelayError],
     advice: Mapping[str, str] | None = None,
 ) -> None:
@@ -314,7 +319,7 @@ def _check_option_names(
             )
 
 
-def _check_values(worker: Any, input: Any, options: Mapping[str, Any]) -> Row:
+def check_values(worker: Any, input: Any, options: Mapping[str, Any]) -> Row:
     """Build the row a slot would insert, to refuse bad values before any tick."""
     return build_row(JobSpec(worker, input, **options), _ANCHOR)
 
@@ -324,18 +329,31 @@ def entries_from_config(entries: Iterable[CronEntry | Mapping[str, Any]]) -> lis
 
     ``{"name": "digest", "expression": "0 8 * * 1-5", "worker": send_digest,
     "input": {...}, "queue": ..., "priority": ..., "catch_up": 600}``; every
-    problem raises :class:`belay.ConfigurationError` naming the entry.
+    problem raises :class:`belay.ConfigurationError` naming the entry. An
+    entry with an ``overlap``, or a ``catch_up`` of ``"latest"`` or ``"all"``,
+    is a schedule (:func:`split_config`), not a cron.
     """
+    crons, _schedules = split_config(entries)
+    return crons
+
+
+def split_config(entries: Iterable[CronEntry | Mapping[str, Any]]
+                 ) -> tuple[list[CronEntry], list[Declaration]]:
+    """Static crons, and static schedules (:mod:`belay.schedules`), validated."""
     if isinstance(entries, (str, bytes, Mapping)):
         raise ConfigurationError(
             "crons= takes a list of cron dicts like "
             '[{"name": "digest", "expression": "0 8 * * 1-5", "worker": send_digest}]'
         )
     found: list[CronEntry] = []
+    declared: list[Declaration] = []
     seen: set[str] = set()
     for position, item in enumerate(entries):
+        entry: CronEntry | Declaration
         if isinstance(item, CronEntry):
             entry = item
+        elif isinstance(item, Mapping) and _is_schedule(item):
+            entry = _schedule_from_dict(position, item)
         elif isinstance(item, Mapping):
             entry = _entry_from_dict(position, item)
         else:
@@ -349,8 +367,39 @@ def entries_from_config(entries: Iterable[CronEntry | Mapping[str, Any]]) -> lis
                 "(it is part of each slot's identity)"
             )
         seen.add(entry.name)
-        found.append(entry)
-    return found
+        if isinstance(entry, CronEntry):
+            found.append(entry)
+        else:
+            declared.append(entry)
+    return found, declared
+
+
+def _is_schedule(item: Mapping[str, Any]) -> bool:
+    return "overlap" in item or isinstance(item.get("catch_up"), str)
+
+
+def _schedule_from_dict(position: int, item: Mapping[str, Any]) -> Declaration:
+    from belay.schedules import declare
+
+    name = item.get("name")
+    label = f"schedule {name!r}" if isinstance(name, str) else f"schedule #{position}"
+    missing = [key for key in ("name", "expression", "worker") if key not in item]
+    if missing:
+        raise ConfigurationError(f"{label} is missing {', '.join(missing)}")
+    unknown = sorted(set(item) - set(_STATIC_KEYS) - set(_REFUSED))
+    if unknown or "paused" in item:
+        raise ConfigurationError(
+            f"{label}: unknown key {(unknown or ['paused'])[0]!r}; a schedule takes name, "
+            f"expression, worker, input, overlap, catch_up, {', '.join(OPTIONS)} (pause "
+            "one with cancel_schedule)")
+    try:
+        return declare(item["name"], item["expression"], item["worker"], item.get("input"),
+                       overlap=item.get("overlap", "skip"),
+                       catch_up=item.get("catch_up", "latest"), static=True,
+                       options={key: item[key] for key in item if key in OPTIONS
+                                or key in _REFUSED})
+    except ValidationError as exc:
+        raise ConfigurationError(str(exc)) from None
 
 
 def _entry_from_dict(position: int, item: Mapping[str, Any]) -> CronEntry:
@@ -414,7 +463,7 @@ class DynamicCron:
         if not isinstance(self.input, Mapping):
             raise ValidationError(f"{label}: input is not a JSON object: {self.input!r}")
         options: Mapping[str, Any] = {} if self.options is None else self.options
-        _check_option_names(label, options, OPTIONS, ValidationError)
+        check_option_names(label, options, OPTIONS, ValidationError)
         return CronEntry(self.name, self.expression, self.worker,  # type: ignore[arg-type]
                          self.input, options, paused=self.paused)
 
@@ -430,11 +479,11 @@ def dynamic_values(
     label = f"cron {name!r}"
     expr = parse(expression)
     kind = kind_of(worker)[0]
-    _check_option_names(label, options, ROW_OPTIONS, ValidationError, _ROW_ADVICE)
+    check_option_names(label, options, ROW_OPTIONS, ValidationError, _ROW_ADVICE)
     stored = {key: value for key, value in options.items() if value is not None}
     input_ = input if input is not None else {}
     try:
-        _check_values(kind, input_, stored)
+        check_values(kind, input_, stored)
     except ValidationError as exc:
         raise ValidationError(f"{label}: {exc}") from None
     return {
@@ -472,7 +521,7 @@ class CronScheduler:
         self.client = client
         # Static entries need croniter now; without any, a node lacking it still
         # runs, and dynamic rows are skipped with a warning saying what to install.
-        self.entries = entries_from_config(static_entries or ())
+        self.entries, self.schedules = split_config(static_entries or ())
         self.registry = registry
         self.interval = float(interval)
         self.notify = notify
@@ -480,6 +529,8 @@ class CronScheduler:
         #: signal: belay itself never waits on it.
         self.ticked = threading.Event()
         self._previous: datetime | None = None
+        #: The static schedules are in belay_schedules (declared on the first tick).
+        self._declared = False
         self._warned: dict[str, str] = {}
         self._tick_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -498,11 +549,16 @@ class CronScheduler:
                 entries = self._merge(stored, problems)
                 rows = self._rows(entries, now, problems)
                 inserted = store.insert_jobs(conn, rows, now) if rows else []
+                if not self._declared:
+                    for declaration in self.schedules:
+                        store.declare_schedule(conn, declaration.values(now))
+                inserted += self._schedule_round(conn, now, problems)
                 if self.notify and inserted:
                     channel = self.client.notify_channel(conn)
                     store.notify(conn, channel, [store.poke_payload(q)
                                                  for q in {job.queue for job in inserted}])
             self._previous = slot(now)
+            self._declared = True
             for name, problem in problems.items():
                 if self._warned.get(name) != problem:
                     log.warning("belay cron %r skipped: %s", name, problem)
@@ -548,11 +604,49 @@ class CronScheduler:
         return rows
 
     def _worker(self, entry: CronEntry) -> str | WorkerDef:
-        if isinstance(entry.worker, str) and self.registry is not None:
-            found = self.registry.get(entry.worker)
+        return self._resolve(entry.worker)
+
+    def _resolve(self, worker: str | WorkerDef) -> str | WorkerDef:
+        if isinstance(worker, str) and self.registry is not None:
+            found = self.registry.get(worker)
             if found is not None:
                 return found
-        return entry.worker
+        return worker
+
+    def _schedule_round(self, conn: Any, now: datetime, problems: dict[str, str]) -> list[Job]:
+        """Every schedule no other node is handling: fire what its policy says
+        and move its cursor, in a savepoint each (one broken schedule doesn't
+        hold back the others)."""
+        from belay import schedules
+
+        inserted: list[Job] = []
+        for row in store.due_schedules(conn):
+            name = row["name"]
+            try:
+                with conn.transaction():
+                    expr = parse(row["expression"])
+                    occurrences = schedules.due(expr, row["cursor_slot"], now, row["catch_up"])
+                    decided = schedules.plan(row["overlap"], row["catch_up"], occurrences,
+                                             row["busy"])
+                    if decided.cursor is None:
+                        continue
+                    check_option_names(f"schedule {name!r}", row["opts"] or {}, OPTIONS,
+                                       ValidationError)
+                    worker = self._resolve(row["worker"])
+                    rows = [self.client._build(JobSpec(
+                        worker, dict(row["input"]), **(row["opts"] or {}),
+                        internal={"cron_name": name, "cron_slot": at}), now)
+                        for at in decided.fire]
+                    jobs = store.insert_jobs(conn, rows, now) if rows else []
+                    store.advance_schedule(conn, name, decided.cursor,
+                                           jobs[-1].id if jobs else None)
+                    if decided.skipped:
+                        log.info("belay schedule %r: %d occurrence(s) passed over (%s)", name,
+                                 decided.skipped, "busy" if row["busy"] else "coalesced")
+                    inserted += jobs
+            except (BelayError, TypeError) as exc:
+                problems[name] = f"schedule: {exc}"
+        return inserted
 
     # -- The thread -------------------------------------------------------------------
 

@@ -756,3 +756,45 @@ def list_crons(conn: Conn) -> list[dict[str, Any]]:
     """Every ``belay_crons`` row by name: name, expression, worker, input, opts, paused,
     updated_at."""
     return _rows(conn, "list_crons")
+
+
+# -- Schedules (belay_schedules, revision 5) ------------------------------------------
+
+
+def declare_schedule(conn: Conn, values: dict[str, Any]) -> bool:
+    """Create or redeclare a schedule; True when anything changed."""
+    return bool(_rows(conn, "declare_schedule", values))
+
+
+def cancel_schedule(conn: Conn, name: str, now: datetime) -> bool:
+    """Cancel a live schedule; False when there is none (or it was cancelled)."""
+    return bool(_rows(conn, "cancel_schedule", {"name": name, "now": now}))
+
+
+def schedule_cancelled(conn: Conn, name: str) -> bool | None:
+    """Whether the schedule ``name`` is cancelled; None when there is none."""
+    found = _rows(conn, "schedule_exists", (name,))
+    return None if not found else bool(found[0]["cancelled"])
+
+
+def cron_named(conn: Conn, name: str) -> bool:
+    return bool(_rows(conn, "cron_named", (name,)))
+
+
+def get_schedule(conn: Conn, name: str) -> dict[str, Any] | None:
+    found = _rows(conn, "get_schedule", (name,))
+    return found[0] if found else None
+
+
+def schedule_page(conn: Conn, after: str | None, limit: int) -> list[dict[str, Any]]:
+    """Schedules by name after ``after`` (exclusive), up to ``limit``."""
+    return _rows(conn, "schedule_page", {"after": after, "limit": limit})
+
+
+def due_schedules(conn: Conn) -> list[dict[str, Any]]:
+    """Every live schedule no other node's round holds, locked (run in a transaction)."""
+    return _rows(conn, "due_schedules")
+
+
+def advance_schedule(conn: Conn, name: str, cursor: datetime, job_id: int | None) -> None:
+    _execute(conn, "advance_schedule", {"name": name, "cursor": cursor, "job_id": job_id})

@@ -114,6 +114,23 @@ EXPECTED_COLUMNS: dict[str, list[tuple[str, str, bool, str | None]]] = {
         ("paused", "boolean", True, "false"),
         ("updated_at", TS, False, None),
     ],
+    # Migration 5: schedules (belay's own; the reference never reads it).
+    "belay_schedules": [
+        ("name", "text", True, None),
+        ("expression", "text", True, None),
+        ("worker", "text", True, None),
+        ("input", "jsonb", True, "'{}'::jsonb"),
+        ("opts", "jsonb", True, "'{}'::jsonb"),
+        ("overlap", "text", True, "'skip'::text"),
+        ("catch_up", "text", True, "'latest'::text"),
+        ("static", "boolean", True, "false"),
+        ("cursor_slot", TS, False, None),
+        ("last_job_id", "bigint", False, None),
+        ("revision", "integer", True, "1"),
+        ("cancelled_at", TS, False, None),
+        ("created_at", TS, True, None),
+        ("updated_at", TS, True, None),
+    ],
     # The reference's belay_meta (version int NOT NULL) plus migration 3's column.
     "belay_meta": [
         ("version", "integer", True, None),
@@ -129,6 +146,7 @@ EXPECTED_PRIMARY_KEYS: dict[str, str | None] = {
     "belay_rate": "PRIMARY KEY (bucket, window_start)",
     "belay_queues": "PRIMARY KEY (name)",
     "belay_crons": "PRIMARY KEY (name)",
+    "belay_schedules": "PRIMARY KEY (name)",
     "belay_meta": None,
 }
 
@@ -220,6 +238,12 @@ EXPECTED_INDEXES: dict[str, dict[str, str]] = {
     "belay_crons": {
         "belay_crons_pkey": (
             "CREATE UNIQUE INDEX belay_crons_pkey ON public.belay_crons USING btree (name)"
+        ),
+    },
+    "belay_schedules": {
+        "belay_schedules_pkey": (
+            "CREATE UNIQUE INDEX belay_schedules_pkey ON public.belay_schedules "
+            "USING btree (name)"
         ),
     },
     "belay_meta": {},
@@ -409,7 +433,7 @@ def test_migration_3_adds_contract_major_and_records_each_revision_once(db_url: 
             "SELECT version, count(*), min(contract_major), max(contract_major) "
             "FROM belay_meta GROUP BY version ORDER BY version"
         ).fetchall()
-    assert rows == [(1, 1, 1, 1), (2, 1, 1, 1), (3, 1, 1, 1), (4, 1, 1, 1)]
+    assert rows == [(1, 1, 1, 1), (2, 1, 1, 1), (3, 1, 1, 1), (4, 1, 1, 1), (5, 1, 1, 1)]
 
 
 def test_migration_3_claim_order_index_puts_null_ready_at_first(db_url: str) -> None:
@@ -544,7 +568,7 @@ def test_reference_claim_index_alone_would_sort(sql_conn: psycopg.Connection[Any
 
 
 def test_migrate_twice_applies_nothing_the_second_time(empty_db_url: str) -> None:
-    assert belay.migrate(empty_db_url) == [1, 2, 3, 4]
+    assert belay.migrate(empty_db_url) == [1, 2, 3, 4, 5]
     before = snapshot(empty_db_url)
     assert belay.migrate(empty_db_url) == []
     assert snapshot(empty_db_url) == before
@@ -591,9 +615,9 @@ def test_concurrent_migrations_apply_each_revision_exactly_once(server_url: str)
             results, failures = _race_migrations(url, threads)
             assert not failures, failures
             # One migrator did all the work; the others found nothing left to do.
-            assert sorted(results) == [[]] * (threads - 1) + [[1, 2, 3, 4]]
+            assert sorted(results) == [[]] * (threads - 1) + [[1, 2, 3, 4, 5]]
             state = snapshot(url)
-            assert state["meta"] == [(1, 1), (2, 1), (3, 1), (4, 1)]
+            assert state["meta"] == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
             assert sorted(state["columns"]) == TABLES
             assert state["indexes"] == EXPECTED_INDEXES
 
@@ -626,9 +650,9 @@ def test_reference_revision_2_is_outdated_until_migrated(empty_db_url: str) -> N
     with belay.Belay(empty_db_url) as client, pytest.raises(SchemaOutdated, match="revision 2"):
         client.get_job(job_id)
 
-    assert belay.migrate(empty_db_url) == [3, 4]
+    assert belay.migrate(empty_db_url) == [3, 4, 5]
     status = belay.check_schema(empty_db_url)
-    assert (status.revision, status.contract_major) == (4, 1)
+    assert (status.revision, status.contract_major) == (5, 1)
     with belay.Belay(empty_db_url) as client:
         job = client.get_job(job_id)
     assert job is not None
@@ -637,7 +661,7 @@ def test_reference_revision_2_is_outdated_until_migrated(empty_db_url: str) -> N
     )
     with psycopg.connect(empty_db_url) as conn:
         # The reference's rows read as contract major 1 through the column default.
-        assert _meta_rows(conn) == [(1, 1), (2, 1), (3, 1), (4, 1)]
+        assert _meta_rows(conn) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
 
 
 def test_upgraded_reference_database_equals_a_fresh_belay_database(
@@ -703,10 +727,10 @@ def test_migrate_refuses_a_higher_major_before_applying_anything(empty_db_url: s
 def test_newer_revision_within_major_1_is_accepted(db_url: str) -> None:
     """§1: tolerate newer migrations within a known contract major."""
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("INSERT INTO belay_meta (version, contract_major) VALUES (5, 1)")
+        conn.execute("INSERT INTO belay_meta (version, contract_major) VALUES (6, 1)")
     job_id = insert_raw_job(db_url)
     status = belay.check_schema(db_url)
-    assert (status.revision, status.contract_major) == (5, 1)
+    assert (status.revision, status.contract_major) == (6, 1)
     with belay.Belay(db_url) as client:
         job = client.get_job(job_id)
     assert job is not None
@@ -749,7 +773,7 @@ def test_schema_status_problem(
 
 def test_schema_status_constants_are_the_contract_ones() -> None:
     assert (belay.CONTRACT_MAJOR, belay.MIN_REVISION) == (1, 3)
-    assert [m.revision for m in belay.sql.migrations()] == [1, 2, 3, 4]
+    assert [m.revision for m in belay.sql.migrations()] == [1, 2, 3, 4, 5]
 
 
 # -- One home for SQL (STYLE.md) and the clock rule (§2) ------------------------------------
@@ -897,7 +921,7 @@ def test_no_sql_reads_the_database_clock() -> None:
     folder = REPO / "belay" / "sql"
     files = sorted(folder.rglob("*.sql"))
     assert any(f.name == "queries.sql" for f in files)
-    assert len([f for f in files if f.parent.name == "migrations"]) == 4
+    assert len([f for f in files if f.parent.name == "migrations"]) == 5
     offenders = [
         f"{path.relative_to(REPO)}: {line.strip()}"
         for path in files
@@ -919,6 +943,6 @@ def test_clock_rule_scan_catches_a_call() -> None:
 
 def test_schema_status_values_are_plain(db_url: str) -> None:
     status = belay.check_schema(db_url)
-    assert status == SchemaStatus(4, 1)
-    assert status.describe() == "schema revision 4, contract major 1"
+    assert status == SchemaStatus(5, 1)
+    assert status.describe() == "schema revision 5, contract major 1"
 
