@@ -1,5 +1,5 @@
 """The producer API as an ASGI app (Starlette): enqueue, read, cancel, results,
-signals and events over HTTP/JSON.
+signals and events over HTTP/JSON, and schedules (:mod:`belay.http.schedules`).
 
 Every database call runs on a worker thread (the client is blocking). A
 database failure is answered ``503 unavailable``, never an invented success.
@@ -35,6 +35,8 @@ from belay.http.options import (
     parse_json,
     path_text,
 )
+from belay.http.schedules import PATHS as SCHEDULE_PATHS
+from belay.http.schedules import ScheduleApi
 from belay.job import Job
 from belay.ops import event_view, job_view, jsonable
 
@@ -72,7 +74,8 @@ def build_app(
     if isinstance(body_limit, bool) or not isinstance(body_limit, int) or body_limit < 1:
         raise ValueError(f"body_limit must be a positive integer, got {body_limit!r}")
     api = _Api(client, token, body_limit)
-    spec = document(extra_openapi_paths or {})
+    schedules = ScheduleApi(client, lambda request: api._json_body(request, required=True))
+    spec = document({**SCHEDULE_PATHS, **(extra_openapi_paths or {})})
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(spec)
@@ -85,6 +88,10 @@ def build_app(
         Route("/jobs/{job_id}/signals/{name}", api.guarded(api.signal), methods=["POST"]),
         Route("/jobs/{job_id}/events", api.guarded(api.events), methods=["GET"]),
         Route("/jobs/{job_id}/events/stream", api.guarded(api.stream), methods=["GET"]),
+        Route("/schedules", api.guarded(schedules.declare), methods=["POST"]),
+        Route("/schedules", api.guarded(schedules.list), methods=["GET"]),
+        Route("/schedules/{schedule_id}", api.guarded(schedules.get), methods=["GET"]),
+        Route("/schedules/{schedule_id}", api.guarded(schedules.cancel), methods=["DELETE"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *extra_routes,
     ]

@@ -26,6 +26,7 @@ STATUS: Final = {
     "unsupported_media_type": 415,
     "internal": 500,
     "unavailable": 503,
+    "unknown_outcome": 503,
 }
 
 
