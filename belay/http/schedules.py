@@ -183,8 +183,8 @@ def _json(description: str, schema: Any = _SCHEDULE) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-_ID: Final = {"name": "schedule_id", "in": "path", "required": True,
-              "schema": {"type": "string"}}
+_TEXT: Final = {"type": "string", "minLength": 1, "maxLength": 255}
+_ID: Final = {"name": "schedule_id", "in": "path", "required": True, "schema": _TEXT}
 _COMMON: Final = {"400": _error("invalid_request: an invalid declaration, id or query"),
                   "401": _error("unauthorized"),
                   "503": _error("unavailable (a read), or unknown_outcome: the database "
@@ -197,8 +197,8 @@ PATHS: Final = {
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["id", "cron", "task"],
                 "additionalProperties": False,
-                "properties": {"id": {"type": "string"}, "cron": {"type": "string"},
-                               "task": {"type": "string"}, "args": {"type": "object"},
+                "properties": {"id": _TEXT, "cron": {"type": "string", "minLength": 1},
+                               "task": _TEXT, "args": {"type": "object"},
                                "overlap": {"enum": list(OVERLAPS)},
                                "catch_up": {"enum": list(CATCH_UPS)},
                                "options": {"type": "object"}}}}}},
@@ -210,8 +210,7 @@ PATHS: Final = {
             "parameters": [
                 {"name": "limit", "in": "query", "required": False,
                  "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
-                {"name": "cursor", "in": "query", "required": False,
-                 "schema": {"type": "string"}}],
+                {"name": "cursor", "in": "query", "required": False, "schema": _TEXT}],
             "responses": {"200": _json("schedules after cursor, and the next cursor", {
                 "type": "object", "required": ["type", "schedules", "next_cursor"],
                 "properties": {"type": {"const": "schedules"},
