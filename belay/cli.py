@@ -298,9 +298,12 @@ def _ops_parsers(commands: Any) -> None:
                          ("delete", "remove a queue row (workers go back to static options)")):
         op(queue_actions, action, text, nested=True).add_argument("name")
 
-    crons = op(commands, "crons", "list, put, pause, resume or delete dynamic crons")
+    crons = op(commands, "crons", "list, put, pause, resume or delete dynamic crons; "
+                                  "schedule, status or cancel schedules")
     cron_actions = crons.add_subparsers(dest="action", metavar="ACTION")
-    op(cron_actions, "list", "the belay_crons rows (the default action)", nested=True)
+    op(cron_actions, "list", "the belay_crons rows, then the schedules (the default "
+                             "action; --json: the rows)", nested=True)
+    op(cron_actions, "schedules", "the schedules, cancelled ones included", nested=True)
     cput = op(cron_actions, "put", "create or replace a dynamic cron every node fires",
               nested=True)
     cput.add_argument("name")
@@ -316,6 +319,26 @@ def _ops_parsers(commands: Any) -> None:
     for action, text in (("pause", "stop a cron firing"), ("resume", "undo pause"),
                          ("delete", "delete a dynamic cron")):
         op(cron_actions, action, text, nested=True).add_argument("name")
+    sput = op(cron_actions, "schedule", "create or redeclare a schedule: a cron with an "
+                                        "overlap policy and a catch-up mode", nested=True)
+    sput.add_argument("name")
+    sput.add_argument("expression", metavar="EXPR", help='five UTC fields like "0 3 * * *"')
+    sput.add_argument("worker", metavar="WORKER", help="the kind its jobs get")
+    sput.add_argument("--overlap", default="skip", choices=("skip", "queue", "allow"),
+                      help="while the previous occurrence runs: skip this one (default), "
+                           "queue it, or allow it to run too")
+    sput.add_argument("--catch-up", default="latest", choices=("latest", "all"),
+                      help="several due at once: run the latest (default) or all in turn")
+    sput.add_argument("--input", default=None, metavar="JSON", help="a JSON object")
+    sput.add_argument("--queue", default=None)
+    sput.add_argument("--priority", type=int, default=None)
+    sput.add_argument("--max-attempts", type=int, default=None)
+    sput.add_argument("--meta", default=None, metavar="JSON", help="a JSON object")
+    sput.add_argument("--partition-key", default=None)
+    op(cron_actions, "status", "a schedule's definition and state (cursor, next occurrence, "
+                               "active job)", nested=True).add_argument("name")
+    op(cron_actions, "cancel", "stop a schedule firing (declaring it again brings it back)",
+       nested=True).add_argument("name")
 
     prune = op(commands, "prune", "delete finished jobs past their retention now, as "
                                   "workers do every minute")
@@ -891,7 +914,17 @@ def _crons(args: argparse.Namespace, client: Belay) -> int:
     action, name = args.action or "list", str(getattr(args, "name", ""))
     if action == "list":
         rows = [cron_view(c) for c in client.list_crons()]
-        return _emit(args, rows, cliformat.crons_table(rows))
+        scheduled = [] if args.json else [s.to_dict() for s in client.schedules()]
+        text = cliformat.crons_table(rows)
+        if scheduled:
+            text += "\n\n" + cliformat.schedules_table(scheduled)
+        return _emit(args, rows, text)
+    if action == "schedules":
+        views = [s.to_dict() for s in client.schedules()]
+        return _emit(args, views, cliformat.schedules_table(views) if views else
+                     "no schedules ('belay crons schedule NAME EXPR WORKER' adds one)")
+    if action in ("schedule", "status", "cancel"):
+        return _schedules(args, client, action, name)
     if action == "put":
         example = '\'{"report": "daily"}\''
         options = {
@@ -911,6 +944,32 @@ def _crons(args: argparse.Namespace, client: Belay) -> int:
                        "a static cron defined in code has none)")
     past = {"pause": "paused", "resume": "resumed", "delete": "deleted"}[action]
     return _emit(args, {"cron": name, past: True}, f"{past} cron {name!r}")
+
+
+def _schedules(args: argparse.Namespace, client: Belay, action: str, name: str) -> int:
+    from belay import cliformat
+
+    if action == "schedule":
+        example = '\'{"report": "daily"}\''
+        options = {
+            "queue": args.queue, "priority": args.priority, "max_attempts": args.max_attempts,
+            "partition_key": args.partition_key,
+            "meta": None if args.meta is None else _json_object(args.meta, "--meta", example),
+        }
+        declared = client.schedule(
+            name, args.expression, args.worker,
+            None if args.input is None else _json_object(args.input, "--input", example),
+            overlap=args.overlap, catch_up=args.catch_up,
+            **{k: v for k, v in options.items() if v is not None})
+        view = declared.to_dict()
+        return _emit(args, view, cliformat.schedule_text(view))
+    if action == "cancel" and not client.cancel_schedule(name):
+        raise NotFound(f"no live schedule named {name!r} ('belay crons list' shows them)")
+    found = client.schedule_status(name)
+    if found is None:
+        raise NotFound(f"no schedule named {name!r} ('belay crons list' shows them)")
+    view = found.to_dict()
+    return _emit(args, view, cliformat.schedule_text(view))
 
 
 def _doctor(args: argparse.Namespace, client: Belay) -> int:

@@ -257,6 +257,33 @@ def crons_table(rows: Sequence[Mapping[str, Any]]) -> str:
          when(c["updated_at"])] for c in rows])
 
 
+def schedules_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``belay crons list``: the schedules (``Schedule.to_dict()``)."""
+    return table(["SCHEDULE", "EXPRESSION", "WORKER", "OVERLAP", "CATCH-UP", "NEXT", "ACTIVE",
+                  "STATE"], [
+        [s["name"], s["expression"], s["worker"], s["overlap"], s["catch_up"],
+         when(s["next_due"]), s["active_job_id"],
+         "cancelled" if s["cancelled_at"] else "static" if s["static"] else "live"]
+        for s in rows])
+
+
+def schedule_text(view: Mapping[str, Any]) -> str:
+    """``belay crons schedule|status|cancel``: one schedule."""
+    state = f"cancelled {when(view['cancelled_at'])}" if view["cancelled_at"] else "live"
+    lines = [f"schedule {view['name']!r} ({state}, revision {view['revision']}"
+             + (", declared in code" if view["static"] else "") + ")",
+             f"  {view['expression']} -> {view['worker']}  overlap={view['overlap']} "
+             f"catch_up={view['catch_up']}",
+             f"  last due {when(view['last_due'])}, next due {when(view['next_due'])}",
+             f"  active job {view['active_job_id'] or '-'}, last job "
+             f"{view['last_job_id'] or '-'}"]
+    if view["input"]:
+        lines.append(f"  input {compact(view['input'], 80)}")
+    if view["options"]:
+        lines.append(f"  options {compact(view['options'], 80)}")
+    return "\n".join(lines)
+
+
 PRUNED = ("succeeded", "failed", "cancelled", "signals", "rate_windows")
 
 

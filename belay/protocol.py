@@ -166,19 +166,27 @@ def parse_hello(message: Mapping[str, Any]) -> Hello:
     """The ``hello`` every connection starts with; ValueError says what is wrong
     (answered with an ``error``, code ``invalid_request``)."""
     if message.get("type") != "hello":
-        raise ValueError(f"the first message must be hello, got {message.get('type')!r}")
+        raise ValueError(f"the first message must be hello, got {message.get('type')!r:.80}")
     mode = message.get("mode")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    # A str first: a list or an object is unhashable, and ``in MODES`` would
+    # raise TypeError instead of refusing the hello. (Values are quoted cut to
+    # 80 characters: the refusal must fit in a reply frame.)
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r:.80}")
     runtime_id = message.get("runtime_id")
-    if not isinstance(runtime_id, str) or not runtime_id or len(runtime_id) > 256:
-        raise ValueError("runtime_id must be a nonempty string of at most 256 characters")
+    # No NUL: the runtime id goes into the lease owner (``leased_by``) of every
+    # job the connection claims, and PostgreSQL text can't hold one — each
+    # claim would fail, and with it the dispatch to every other executor.
+    if not isinstance(runtime_id, str) or not runtime_id or len(runtime_id) > 256 \
+            or "\x00" in runtime_id:
+        raise ValueError("runtime_id must be a nonempty string of at most 256 characters, "
+                         "without NUL")
     limit = message.get("max_concurrency")
     low = 0 if mode == "client" else 1
     high = 0 if mode == "client" else MAX_CONCURRENCY
     if isinstance(limit, bool) or not isinstance(limit, int) or not low <= limit <= high:
         raise ValueError(f"max_concurrency must be {low} for a client" if mode == "client"
-                         else f"max_concurrency must be {low} to {high}, got {limit!r}")
+                         else f"max_concurrency must be {low} to {high}, got {limit!r:.80}")
     return Hello(mode, runtime_id, limit)
 
 

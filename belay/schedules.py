@@ -201,7 +201,9 @@ class Schedule:
             name=row["name"], expression=row["expression"], worker=row["worker"],
             input=row["input"], options=row["opts"], overlap=row["overlap"],
             catch_up=row["catch_up"], static=row["static"], revision=row["revision"],
-            last_due=row["cursor_slot"],
+            # A new schedule's cursor is the minute before it was made: not a due.
+            last_due=row["cursor_slot"] if row["cursor_slot"] is not None
+            and row["cursor_slot"] >= slot(row["created_at"]) else None,
             next_due=None if row["cancelled_at"] is not None else next_occurrence(
                 row["expression"], row["cursor_slot"], row["created_at"]),
             active_job_id=row.get("active_job_id"), last_job_id=row["last_job_id"],

@@ -426,3 +426,32 @@ def test_prune_deletes_what_is_past_retention(
     ]
     assert [j.id for j in live.list_jobs()] == [recent.id]
     assert signal_rows(sql_conn) == []
+
+
+def test_crons_schedule_status_list_and_cancel(db_url: str, live: belay.Belay) -> None:
+    declared = ok_json("crons", "schedule", "nightly", "0 3 * * *", "ops.summarize",
+                       "--overlap", "queue", "--catch-up", "all", "--input",
+                       '{"quarter": "Q4"}', "--queue", "etl", "--url", db_url)
+    assert {k: declared[k] for k in ("name", "overlap", "catch_up", "revision", "input",
+                                     "options", "last_due", "active_job_id")} == {
+        "name": "nightly", "overlap": "queue", "catch_up": "all", "revision": 1,
+        "input": {"quarter": "Q4"}, "options": {"queue": "etl"}, "last_due": None,
+        "active_job_id": None}
+    text = ok("crons", "status", "nightly", "--url", db_url).stdout
+    assert "schedule 'nightly' (live, revision 1)" in text and "overlap=queue" in text
+    assert [s["name"] for s in ok_json("crons", "schedules", "--url", db_url)] == ["nightly"]
+    listed = ok("crons", "--url", db_url).stdout
+    assert "SCHEDULE" in listed and "nightly" in listed
+    assert ok_json("crons", "--url", db_url) == []  # --json list: the belay_crons rows
+    assert "invalid choice: 'sometimes'" in run_cli(
+        "crons", "schedule", "x", "@daily", "ops.etl", "--overlap", "sometimes",
+        "--url", db_url).stderr
+    ok("crons", "put", "digest", "@daily", "ops.etl", "--url", db_url)
+    assert "is the name of a cron" in fails(2, "crons", "schedule", "digest", "@daily",
+                                            "ops.etl", "--url", db_url)
+    cancelled = ok_json("crons", "cancel", "nightly", "--url", db_url)
+    assert cancelled["cancelled_at"] is not None and cancelled["next_due"] is None
+    assert "no live schedule named 'nightly'" in fails(3, "crons", "cancel", "nightly",
+                                                       "--url", db_url)
+    assert "no schedule named 'nope'" in fails(3, "crons", "status", "nope", "--url", db_url)
+    assert live.schedule_status("nightly").cancelled_at is not None  # type: ignore[union-attr]

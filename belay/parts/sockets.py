@@ -60,6 +60,7 @@ from belay.parts.hooks import Hooks
 from belay.parts.leases import Leases, timeout_outcome
 from belay.parts.producer import claim_jobs
 from belay.parts.remote import (
+    CONCLUDED_KINDS,
     Parked,
     ReportRefused,
     concluded,
@@ -272,8 +273,17 @@ class ExecutorServer:
     def _serve(self, connection: _Connection) -> None:
         reader = protocol.FrameReader(self.max_frame_bytes)
         why = "it closed"
+        hello_by = time.monotonic() + self.hello_timeout
         try:
             while not connection.closed:
+                if not connection.runtime_id:
+                    # hello_timeout bounds the whole hello, not each read: a peer
+                    # trickling a byte at a time (each within the timeout) would
+                    # otherwise hold its connection and thread without a hello.
+                    left = hello_by - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    connection.sock.settimeout(left)
                 data = connection.sock.recv(65536)
                 if not data:
                     break
@@ -348,6 +358,12 @@ class ExecutorServer:
             with connection.send_lock:
                 connection.sock.sendall(frame)
         except OSError:
+            # Whoever sends (a reply, an execute, a cancel): a send that failed
+            # or timed out may have written part of the frame, so nothing more
+            # can go on this stream. The connection closes and its jobs go back
+            # (a reply that timed out used to leave it open, misframed, its
+            # jobs held).
+            self._close(connection, "a send to it timed out or failed (it stopped reading)")
             return False
         return True
 
@@ -533,9 +549,9 @@ class _Requests:
         try:
             reply = self._answer(connection, kind, message)
         except ReportRefused as exc:
-            reply = protocol.error(request_id, "invalid_request", str(exc))
+            reply = protocol.error(request_id, "invalid_request", _said(exc))
         except _Stale as exc:
-            reply = protocol.error(request_id, "stale_execution", str(exc))
+            reply = protocol.error(request_id, "stale_execution", _said(exc))
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             reply = protocol.error(request_id, "unavailable",
                                    f"the database is unavailable ({type(exc).__name__}); "
@@ -547,7 +563,8 @@ class _Requests:
         try:
             hello = protocol.parse_hello(message)
         except ValueError as exc:
-            self.server._send(connection, protocol.error(request_id, "invalid_request", str(exc)))
+            self.server._send(connection, protocol.error(request_id, "invalid_request",
+                                                         _said(exc)))
             raise _Refused(f"its hello was refused ({exc})") from None
         if hello.mode != "worker":
             text = ("this socket serves executors (mode \"worker\"); enqueue and read jobs "
@@ -577,10 +594,14 @@ class _Requests:
         request_id = message["request_id"]
         if kind in ("register_tasks", "unregister_tasks"):
             tasks = message.get("tasks")
+            # No NUL: the names filter every claim for this connection, and
+            # PostgreSQL text can't hold one — the claim would fail, and with it
+            # the dispatch round of every executor after this one.
             if not isinstance(tasks, list) or not all(
                     isinstance(t, str) and 0 < len(t.encode("utf-8", "surrogatepass")) <= 255
-                    for t in tasks):
-                raise ReportRefused("tasks must be a list of task names (1 to 255 bytes each)")
+                    and "\x00" not in t for t in tasks):
+                raise ReportRefused("tasks must be a list of task names (1 to 255 bytes each, "
+                                    "without NUL)")
             with self.server._lock:
                 if kind == "register_tasks":
                     connection.tasks.update(tasks)
@@ -605,12 +626,13 @@ class _Requests:
             found = connection.running.get(execution_id) if isinstance(execution_id, str) \
                 else None
         if found is None or found.reservation_id != reservation_id:
-            raise _Stale(f"execution {execution_id!r} with reservation {reservation_id!r} is "
-                         "not in flight on this connection (completed, reclaimed, or never "
-                         "sent here)")
+            # Ids quoted cut to 80 characters: the reply must fit in a frame.
+            raise _Stale(f"execution {execution_id!r:.80} with reservation "
+                         f"{reservation_id!r:.80} is not in flight on this connection "
+                         "(completed, reclaimed, or never sent here)")
         if found.execution.ended is not None:
             self.server._forget(connection, str(execution_id))
-            raise _Stale(f"execution {execution_id!r} ended here ({found.execution.ended}); "
+            raise _Stale(f"execution {execution_id!r:.80} ended here ({found.execution.ended}); "
                          "its outcome is discarded")
         return found
 
@@ -622,12 +644,13 @@ class _Requests:
         now = server.client.clock.now()
         decided: Outcome | Parked
         if kind == "concluded":
-            decided = concluded(message)
+            decided = _concluded(message)
         else:
             decided = reported(job, "success" if kind == "succeeded" else "failure",
-                               message.get("result"), message.get("error"), now)
+                               message.get("result"), message.get("error"), now,
+                               check_details=lambda d: _storable(d, "error.details"))
         if not execution.end(ACKED):
-            raise _Stale(f"execution {message['execution_id']!r} ended here "
+            raise _Stale(f"execution {message['execution_id']!r:.80} ended here "
                          f"({execution.ended}); its outcome is discarded")
         try:
             if isinstance(decided, Parked):
@@ -650,6 +673,54 @@ class _Requests:
                          "meanwhile; this outcome was discarded")
         return protocol.message("ok", message["request_id"], job_id=job.id,
                                 state=state, attempt=job.attempt)
+
+
+#: The longest ``message`` of an ``error`` reply. A refusal may quote what the
+#: executor sent; however long that was, the reply must fit in a frame (one
+#: that didn't was raised as the executor's broken frame, and closed it).
+MAX_ERROR_TEXT = 1024
+
+
+def _said(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= MAX_ERROR_TEXT else text[:MAX_ERROR_TEXT - 1] + "\u2026"
+
+
+def _storable(value: Any, what: str) -> None:
+    """ReportRefused unless PostgreSQL's jsonb can hold ``value``: no NUL in
+    any string or key (the HTTP transport refuses them too). Such a report
+    used to fail its write (a DataError), which closed the connection and gave
+    its jobs back instead of answering ``invalid_request``."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                raise ReportRefused(f"{what} holds a NUL character (\\x00), which PostgreSQL "
+                                    "can't store; remove it or encode the text")
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _concluded(message: dict[str, Any]) -> Outcome | Parked:
+    """:func:`~belay.parts.remote.concluded`, refusing what it would let
+    through to fail later: a kind that is a list or an object (unhashable, a
+    TypeError there, which closed the connection) and a NUL in the outcome's
+    error or the park's names."""
+    outcome = message.get("outcome")
+    if message.get("park") is None and isinstance(outcome, dict) \
+            and not isinstance(outcome.get("kind"), str):
+        raise ReportRefused("outcome.kind is a string: one of "
+                            f"{', '.join(sorted(CONCLUDED_KINDS))}")
+    decided = concluded(message)
+    if isinstance(decided, Parked):
+        _storable([decided.scope, decided.name], "park")
+    else:
+        _storable(decided.error, "outcome.error")
+    return decided
 
 
 class _Refused(Exception):
