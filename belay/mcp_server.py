@@ -235,6 +235,47 @@ def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
         ctx.steering()."""
         return mutation("steer_job", {"job_id": job_id, "payload": payload})
 
+    @tool(read)
+    def schedules() -> dict[str, Any]:
+        """Every schedule (a cron with an overlap policy and a catch-up mode):
+        its definition, revision, last and next occurrence, active job, and
+        whether it is cancelled."""
+        return _call(lambda: {"schedules": [s.to_dict() for s in client.schedules()]})
+
+    @tool(read)
+    def schedule_status(name: str) -> dict[str, Any]:
+        """One schedule's definition and state."""
+        found = _call(lambda: client.schedule_status(ops.name_arg(name, "name")))
+        if found is None:
+            raise ToolError(f"no schedule {name!r}")
+        return found.to_dict()
+
+    @tool(writes(destructive=False, idempotent=True), note=_MUTATION_NOTE)
+    def schedule(
+        name: str,
+        expression: Annotated[str, Field(description='five UTC cron fields like "0 3 * * *"')],
+        worker: Annotated[str, Field(description="the kind its jobs get")],
+        input: Annotated[dict[str, Any] | None, Field(description="the jobs' input")] = None,
+        overlap: Annotated[str, Field(description="skip (default), queue or allow: what an "
+                                      "occurrence does while the previous one runs")] = "skip",
+        catch_up: Annotated[str, Field(description="latest (default) or all: several due "
+                                       "at once run as one, or each in turn")] = "latest",
+        options: Annotated[dict[str, Any] | None, Field(
+            description="enqueue options: queue, priority, max_attempts, meta, budget, "
+                        "partition_key")] = None,
+    ) -> dict[str, Any]:
+        """Create or redeclare a schedule (idempotent: the same definition
+        changes nothing; a cancelled one comes back)."""
+        return mutation("schedule", {"name": name, "expression": expression, "worker": worker,
+                                     "input": input, "overlap": overlap,
+                                     "catch_up": catch_up, "options": options})
+
+    @tool(writes(destructive=True, idempotent=False), note=_MUTATION_NOTE)
+    def cancel_schedule(name: str) -> dict[str, Any]:
+        """Stop a schedule firing; its status stays readable (a job it already
+        fired runs on)."""
+        return mutation("cancel_schedule", {"name": name})
+
     return server
 
 

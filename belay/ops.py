@@ -28,7 +28,8 @@ from belay.job import STATES, Event, Job, Step, WorkflowStatus
 from belay.outcome import describe, message_of
 
 #: The mutations every surface offers, by the MCP tool name each has.
-MUTATIONS: Final = ("retry_job", "cancel_job", "signal", "steer_job")
+MUTATIONS: Final = ("retry_job", "cancel_job", "signal", "steer_job", "schedule",
+                     "cancel_schedule")
 
 #: How far back a queue's "rate" looks: jobs finished per minute.
 RATE_WINDOW = timedelta(seconds=60)
@@ -37,6 +38,8 @@ RATE_WINDOW = timedelta(seconds=60)
 MUTATION_ARGS: Final[Mapping[str, tuple[str, ...]]] = {
     "retry_job": ("job_id",), "cancel_job": ("job_id",),
     "signal": ("job_id", "name", "payload"), "steer_job": ("job_id", "payload"),
+    "schedule": ("name", "expression", "worker", "input", "overlap", "catch_up", "options"),
+    "cancel_schedule": ("name",),
 }
 
 #: The largest id (and seq) a bigint column holds.
@@ -395,6 +398,8 @@ def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dic
     if unknown:
         raise ValidationError(f"{tool} takes {', '.join(takes)}; unknown argument(s) "
                               f"{', '.join(unknown)}")
+    if tool in ("schedule", "cancel_schedule"):
+        return _schedule_mutation(client, guard, tool, args)
     job_id = id_arg(args.get("job_id"), "job_id")
     if tool == "signal":
         name = signal_name_arg(args.get("name"))
@@ -420,6 +425,40 @@ def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dic
     if tool == "cancel_job":
         return {"job_id": job_id, "status": client.cancel_job(job_id)}
     return {"job_id": job_id, "job": job_view(client.retry_job(job_id))}
+
+
+def _schedule_mutation(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]
+                       ) -> dict[str, Any]:
+    """``schedule`` (declare) or ``cancel_schedule``, checked before the guard is asked."""
+    from belay.schedules import declare
+
+    name = name_arg(args.get("name"), "name")
+    if tool == "cancel_schedule":
+        guard.check(tool, {"name": name})
+        if not client.cancel_schedule(name):
+            raise ValidationError(f"no live schedule {name!r} to cancel")
+        return {"schedule": client.schedule_status(name).to_dict()}
+    options = args.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise ValidationError(f"options is a JSON object of enqueue options, got "
+                              f"{shown(options)}")
+    raw_input = args.get("input")
+    if raw_input is not None and not isinstance(raw_input, Mapping):
+        raise ValidationError(f"input is a JSON object, got {shown(raw_input)}")
+    enqueue_options: dict[str, Any] = object_arg(options, "options")
+    checked = {
+        "name": name, "expression": args.get("expression"), "worker": args.get("worker"),
+        "input": object_arg(raw_input or {}, "input"),
+        "overlap": args.get("overlap") or "skip", "catch_up": args.get("catch_up") or "latest",
+        "options": enqueue_options,
+    }
+    declare(name, checked["expression"], checked["worker"], checked["input"],
+            overlap=checked["overlap"], catch_up=checked["catch_up"], options=enqueue_options)
+    guard.check(tool, checked)
+    declared = client.schedule(name, checked["expression"], checked["worker"],
+                               checked["input"], overlap=checked["overlap"],
+                               catch_up=checked["catch_up"], **enqueue_options)
+    return {"schedule": declared.to_dict()}
 
 
 def _exists(client: Any, job_id: int) -> None:

@@ -40,7 +40,8 @@ from tests.helpers import Conn, job_row, running_job, signal_rows
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
-READS = {"stats", "list_jobs", "get_job", "job_events", "workflow_status"}
+READS = {"stats", "list_jobs", "get_job", "job_events", "workflow_status", "schedules",
+         "schedule_status"}
 WRITES = set(ops.MUTATIONS)
 
 
@@ -608,3 +609,40 @@ def test_a_read_only_database_role_serves_reads_and_says_why_a_write_failed(
     finally:
         sql_conn.execute(f"DROP OWNED BY {role}")
         sql_conn.execute(f"DROP ROLE {role}")
+
+
+def test_stdio_schedules_are_read_and_guarded(
+    db_url: str, tmp_path: Path, client: Belay
+) -> None:
+    declare = {"name": "nightly", "expression": "0 3 * * *", "worker": "mcp.agent",
+               "overlap": "queue", "options": {"queue": "later"}}
+
+    async def refused_body(mcp: Client) -> CallToolResult:
+        return await mcp.call_tool("schedule", declare)
+
+    with stdio(db_url, tmp_path) as (transport, _):
+        denied = session(transport, refused_body)
+    assert "schedule is refused: mutations are disabled" in refused(denied)
+    assert client.schedules() == []
+
+    async def body(mcp: Client) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        out["declared"] = ok(await mcp.call_tool("schedule", declare))
+        out["bad"] = refused(await mcp.call_tool("schedule", {**declare,
+                                                              "overlap": "sometimes"}))
+        out["listed"] = ok(await mcp.call_tool("schedules", {}))
+        out["status"] = ok(await mcp.call_tool("schedule_status", {"name": "nightly"}))
+        out["cancelled"] = ok(await mcp.call_tool("cancel_schedule", {"name": "nightly"}))
+        out["missing"] = refused(await mcp.call_tool("schedule_status", {"name": "nope"}))
+        return out
+
+    with stdio(db_url, tmp_path, "--allow-mutations") as (transport, _):
+        out = session(transport, body)
+    assert (out["declared"]["schedule"]["overlap"], out["declared"]["schedule"]["options"]) \
+        == ("queue", {"queue": "later"})
+    assert "overlap is one of skip, queue, allow" in out["bad"]
+    assert [s["name"] for s in out["listed"]["schedules"]] == ["nightly"]
+    assert out["status"]["next_due"] is not None
+    assert out["cancelled"]["schedule"]["cancelled_at"] is not None
+    assert "no schedule 'nope'" in out["missing"]
+    assert client.schedule_status("nightly").cancelled_at is not None  # type: ignore[union-attr]
