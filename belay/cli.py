@@ -899,21 +899,12 @@ def _queues(args: argparse.Namespace, client: Belay) -> int:
     return _emit(args, {"queue": name, "deleted": True}, f"deleted queue row {name!r}")
 
 
-def cron_view(cron: Any) -> dict[str, Any]:
-    """A :class:`belay.cron.DynamicCron` as JSON-ready data."""
-    from belay import ops
-
-    return {"name": cron.name, "expression": cron.expression, "worker": cron.worker,
-            "input": ops.jsonable(cron.input), "options": ops.jsonable(cron.options),
-            "paused": cron.paused, "updated_at": ops.jsonable(cron.updated_at)}
-
-
 def _crons(args: argparse.Namespace, client: Belay) -> int:
-    from belay import cliformat
+    from belay import cliformat, ops
 
     action, name = args.action or "list", str(getattr(args, "name", ""))
     if action == "list":
-        rows = [cron_view(c) for c in client.list_crons()]
+        rows = [ops.cron_view(c) for c in client.list_crons()]
         scheduled = [] if args.json else [s.to_dict() for s in client.schedules()]
         text = cliformat.crons_table(rows)
         if scheduled:
@@ -933,7 +924,7 @@ def _crons(args: argparse.Namespace, client: Belay) -> int:
             "meta": None if args.meta is None else _json_object(args.meta, "--meta", example),
         }
         cron_input = None if args.input is None else _json_object(args.input, "--input", example)
-        view = cron_view(client.put_cron(name, args.expression, args.worker, cron_input,
+        view = ops.cron_view(client.put_cron(name, args.expression, args.worker, cron_input,
                                          **{k: v for k, v in options.items() if v is not None}))
         return _emit(args, view, f"put cron {name!r}: {view['expression']} -> "
                                  f"{view['worker']}" + (" (paused)" if view["paused"] else ""))

@@ -248,7 +248,7 @@ def queues_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def crons_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """``belay crons``: the belay_crons rows (:func:`cron_view`)."""
+    """``belay crons``: the belay_crons rows (:func:`belay.ops.cron_view`)."""
     if not rows:
         return "no dynamic crons ('belay crons put NAME EXPR WORKER' adds one)"
     return table(["NAME", "EXPRESSION", "WORKER", "PAUSED", "INPUT", "OPTIONS", "UPDATED"], [

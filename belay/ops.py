@@ -466,3 +466,10 @@ def _exists(client: Any, job_id: int) -> None:
     every surface answers not found instead."""
     if client.get_job(job_id) is None:
         raise JobNotFound(job_id)
+
+
+def cron_view(cron: Any) -> dict[str, Any]:
+    """A :class:`belay.cron.DynamicCron` as JSON-ready data."""
+    return {"name": cron.name, "expression": cron.expression, "worker": cron.worker,
+            "input": jsonable(cron.input), "options": jsonable(cron.options),
+            "paused": cron.paused, "updated_at": jsonable(cron.updated_at)}

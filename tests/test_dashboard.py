@@ -883,3 +883,23 @@ def test_an_authorizer_whose_exception_cannot_be_described_is_a_403_not_a_500(cl
     assert refused.status == 403
     assert "cancel_job refused by the authorizer: <exception" in refused.json["error"]
     assert job_row(sql_conn, ready)["state"] == "ready"
+
+
+def test_the_schedules_page_shows_schedules_and_crons_escaped(client, sql_conn, app):
+    client.schedule("nightly", "0 3 * * *", P_IMG, overlap="queue", catch_up="all")
+    client.schedule(P_SCRIPT, "@hourly", "app.hourly")
+    client.cancel_schedule(P_SCRIPT)
+    client.put_cron("digest", "@daily", "app.digest")
+    page = call(app, "GET", "/schedules")
+    assert page.status == 200
+    rows = re.findall(r"<tr><td>(.*?)</td>", page.text)
+    assert html.escape(P_SCRIPT) in rows and "nightly" in rows and "digest" in rows
+    for raw in ("<script>alert", "<img"):
+        assert raw not in page.text
+    assert "<td>queue</td><td>all</td>" in page.text
+    assert '<span class="badge">cancelled</span>' in page.text
+    data = call(app, "GET", "/api/schedules").json
+    assert [s["name"] for s in data["schedules"]] == sorted(["nightly", P_SCRIPT])
+    assert [c["name"] for c in data["crons"]] == ["digest"]
+    assert re.findall(r"<script[^>]*>", page.text) == [
+        '<script src="/static/dashboard.js" defer>']

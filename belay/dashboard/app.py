@@ -249,6 +249,11 @@ class Dashboard:
             if name == "api_doctor":
                 return _json(200, report)
             return _page(200, pages.doctor_page(page, report))
+        if name in ("schedules", "api_schedules"):
+            data = self.schedules()
+            if name == "api_schedules":
+                return _json(200, data)
+            return _page(200, pages.schedules_page(page, data["schedules"], data["crons"]))
         if name in ("jobs", "api_jobs"):
             filters, parent, before_id, limit = _list_args(request.query,
                                                            api=name == "api_jobs")
@@ -287,6 +292,11 @@ class Dashboard:
         """Queue tiles and the most recent jobs."""
         return {"queues": ops.queue_overview(self.client),
                 "recent": [ops.job_line(j) for j in self.client.list_jobs(limit=RECENT)]}
+
+    def schedules(self) -> dict[str, Any]:
+        """Every schedule (with its state) and every dynamic cron row."""
+        return {"schedules": [s.to_dict() for s in self.client.schedules()],
+                "crons": [ops.cron_view(c) for c in self.client.list_crons()]}
 
     def doctor(self) -> dict[str, Any]:
         """``belay doctor``'s report on the dashboard's database. Whatever goes
@@ -358,12 +368,14 @@ _GET_ROUTES: tuple[tuple[str, str], ...] = (
     ("job", r"/jobs/([^/]+)"),
     ("workflow", r"/workflow"),
     ("doctor", r"/doctor/?"),
+    ("schedules", r"/schedules/?"),
     ("static", r"/static/(dashboard\.css|dashboard\.js)"),
     ("api_overview", r"/api/overview"),
     ("api_jobs", r"/api/jobs"),
     ("api_job", r"/api/jobs/([^/]+)"),
     ("api_workflow", r"/api/workflow"),
     ("api_doctor", r"/api/doctor"),
+    ("api_schedules", r"/api/schedules"),
 )
 
 

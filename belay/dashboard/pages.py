@@ -107,12 +107,14 @@ def layout(page: Page, title: str, name: str, body: Safe, *, api: str = "",
         '<link rel="stylesheet" href="{}">'
         '<script src="{}" defer></script></head>'
         "<body{}><header class=\"top\"><a class=\"brand\" href=\"{}\">belay</a>"
-        '<nav><a href="{}">Overview</a><a href="{}">Jobs</a><a href="{}">Doctor</a></nav>'
+        '<nav><a href="{}">Overview</a><a href="{}">Jobs</a><a href="{}">Schedules</a>'
+        '<a href="{}">Doctor</a></nav>'
         '<span class="spacer"></span>{}'
         '<span id="live" class="live" title="updates every 2 s">static</span></header>'
         '<main>{}</main></body></html>\n',
         title, page.url("/static/dashboard.css"), page.url("/static/dashboard.js"),
-        data_attrs, page.url("/"), page.url("/"), page.url("/jobs"), page.url("/doctor"), token,
+        data_attrs, page.url("/"), page.url("/"), page.url("/jobs"), page.url("/schedules"),
+        page.url("/doctor"), token,
         body)
 
 
@@ -409,6 +411,45 @@ def doctor_page(page: Page, report: Mapping[str, Any]) -> str:
         page.url("/api/doctor"), report.get("exit_code"), rows)
     # No polling (no api): the checks open connections and wait on a NOTIFY.
     return layout(page, "Doctor", "doctor", body)
+
+
+def schedule_row(page: Page, s: Mapping[str, Any]) -> Safe:
+    state = "cancelled" if s["cancelled_at"] else "static" if s["static"] else "live"
+    active = s["active_job_id"]
+    return html(
+        "<tr><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td>"
+        "<td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+        s["name"], s["expression"], s["worker"], s["overlap"], s["catch_up"],
+        when(s["last_due"]), when(s["next_due"]),
+        html('<a href="{}">{}</a>', page.url(f"/jobs/{active}"), active) if active else "—",
+        html('<span class="badge">{}</span>', state))
+
+
+def schedules_page(page: Page, schedules: Sequence[Mapping[str, Any]],
+                   crons: Sequence[Mapping[str, Any]]) -> str:
+    """The schedules (overlap policy, catch-up, cursor, active job) and the
+    dynamic cron rows."""
+    schedule_rows = join(schedule_row(page, s) for s in schedules) or html(
+        '<tr><td colspan="9" class="muted">no schedules: <code>belay crons schedule NAME '
+        "EXPR WORKER</code>, <code>client.schedule(…)</code> or POST /schedules adds one"
+        "</td></tr>")
+    cron_rows = join(html("<tr><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td>"
+                          "<td>{}</td></tr>", c["name"], c["expression"], c["worker"],
+                          "paused" if c["paused"] else "live", when(c["updated_at"]))
+                     for c in crons) or html(
+        '<tr><td colspan="5" class="muted">no dynamic crons</td></tr>')
+    body = html(
+        "<h1>Schedules</h1>"
+        '<p class="muted">Schedules fire like crons, with an overlap policy (skip, queue, '
+        'allow) and a catch-up mode (latest, all). <a href="{}">JSON</a></p>'
+        '<table id="schedules"><thead><tr><th>name</th><th>expression</th><th>worker</th>'
+        "<th>overlap</th><th>catch-up</th><th>last due</th><th>next due</th>"
+        "<th>active job</th><th>state</th></tr></thead><tbody>{}</tbody></table>"
+        "<h2>Dynamic crons</h2>"
+        '<table id="crons"><thead><tr><th>name</th><th>expression</th><th>worker</th>'
+        "<th>state</th><th>updated</th></tr></thead><tbody>{}</tbody></table>",
+        page.url("/api/schedules"), schedule_rows, cron_rows)
+    return layout(page, "Schedules", "schedules", body)
 
 
 def error_page(page: Page, status: int, title: str, message: str) -> str:
