@@ -123,6 +123,8 @@ HEAVY_MODULES = frozenset({
     "test_soak.py",
     "test_worker_processes.py",
     "test_dashboard_browser.py",
+    "test_process_pool.py",
+    "test_node_socket_executor.py",
 })
 HEAVY_TESTS = frozenset({  # module::function (every parametrization of it)
     "test_langgraph.py::test_a_killed_graph_run_resumes_from_its_last_checkpoint",

@@ -298,6 +298,30 @@ def test_an_operators_cancel_ends_the_job_and_the_executor_is_told(
         executor.next("cancel_execution")
 
 
+def test_an_execution_ended_here_frees_its_slot_without_a_report(
+        client: belay.Belay, server: ExecutorServer, executor: Executor,
+        sql_conn: Any) -> None:
+    """An executor that just stops after cancel_execution (as told) gets new
+    work: the ended execution no longer holds its slot."""
+    executor.hello(capacity=1)
+    timed = client.enqueue("sock.t", meta={"$timeout_ms": 200})
+    first = executor.next("execute")
+    assert executor.next("cancel_execution")["job_id"] == timed.id
+    cancelled = client.enqueue("sock.t")
+    second = executor.next("execute")
+    assert second["job_id"] == cancelled.id
+    client.cancel_job(cancelled.id)
+    server.leases.renew()
+    assert executor.next("cancel_execution")["job_id"] == cancelled.id
+    third = client.enqueue("sock.t")
+    assert executor.next("execute")["job_id"] == third.id
+    # A late report of an ended execution is still answered stale.
+    late = executor.reply_to(executor.send(
+        "succeeded", result=1, execution_id=first["execution_id"],
+        reservation_id=first["reservation_id"]))
+    assert late["error"]["code"] == "stale_execution"
+
+
 def test_a_concluded_report_is_read_strictly(
         client: belay.Belay, server: ExecutorServer, executor: Executor,
         sql_conn: Any) -> None:

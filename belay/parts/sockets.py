@@ -49,9 +49,9 @@ from typing import Any
 
 import psycopg
 
-from belay import protocol, socketpath, store
+from belay import names, protocol, socketpath, store
 from belay.client import Belay
-from belay.errors import BelayError
+from belay.errors import BelayError, ValidationError
 from belay.job import Job
 from belay.outcome import Outcome, retry_or_fail
 from belay.parts.completer import ack_on
@@ -111,7 +111,10 @@ class _Connection:
         return not self.closed and self.capacity > 0 and bool(self.tasks)
 
     def free(self) -> int:
-        return self.capacity - len(self.running)
+        """Slots for new executions: one that ended here (timed out, cancelled)
+        frees its slot at once — its executor was told to stop, and a report
+        of it later is only answered stale."""
+        return self.capacity - sum(1 for r in self.running.values() if r.execution.ended is None)
 
 
 class ExecutorServer:
@@ -446,6 +449,7 @@ class ExecutorServer:
                 job_id=execution.job.id, reason=reason))
         if ids and self.on_cancel is not None:
             self.on_cancel(connection.runtime_id, execution.job.id, reason)
+        self._wake()  # its slot is free
 
     # -- Dispatch ----------------------------------------------------------------------------
 
@@ -708,8 +712,10 @@ def _storable(value: Any, what: str) -> None:
 def _concluded(message: dict[str, Any]) -> Outcome | Parked:
     """:func:`~belay.parts.remote.concluded`, refusing what it would let
     through to fail later: a kind that is a list or an object (unhashable, a
-    TypeError there, which closed the connection) and a NUL in the outcome's
-    error or the park's names."""
+    TypeError there, which closed the connection), a NUL in the outcome's
+    error, and a park's scope or name the Python worker would refuse (a NUL
+    failed the write; one over PostgreSQL's index row size was answered
+    ``unavailable``, "report it again", forever)."""
     outcome = message.get("outcome")
     if message.get("park") is None and isinstance(outcome, dict) \
             and not isinstance(outcome.get("kind"), str):
@@ -717,7 +723,11 @@ def _concluded(message: dict[str, Any]) -> Outcome | Parked:
                             f"{', '.join(sorted(CONCLUDED_KINDS))}")
     decided = concluded(message)
     if isinstance(decided, Parked):
-        _storable([decided.scope, decided.name], "park")
+        try:
+            names.check_text(decided.scope, "park.scope", empty=True)
+            names.check_text(decided.name, "park.name", empty=True)
+        except ValidationError as exc:
+            raise ReportRefused(str(exc)) from None
     else:
         _storable(decided.error, "outcome.error")
     return decided
