@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Union
 
 from belay import names, store
 from belay.codec import decode_value, dumps_object, encode_value
-from belay.enqueue import JobSpec, check_seconds, usd_to_micros
+from belay.enqueue import check_seconds, usd_to_micros
 from belay.errors import BudgetExceeded as BudgetExceeded
 from belay.errors import CancelRequested as CancelRequested
 from belay.errors import ConfigurationError, ValidationError
@@ -281,42 +281,6 @@ class Context:
             self._in_step = False
         return self.journal.record(name, value, cost, units)
 
-    def _priced(self, name: str, value: T, cost: CostSpec[T]) -> tuple[int, int]:
-        """Run a step's cost function. It failing is a bug that a retry would pay
-        for again, so the job fails at once (like a value that can't be journaled)."""
-        assert callable(cost)
-        try:
-            return cost_units(cost(value))
-        except Exception as exc:
-            # describe(): the exception's own __str__ may raise, and must not
-            # turn this refusal into an ordinary retry that pays for the step again.
-            raise self._control(StepValueRefused(
-                f"the cost function of step {name!r} failed: {describe(exc)}; "
-                "it gets the step's value and returns a belay.Cost, a dict or None"
-            )) from exc
-
-    def _preflight(self, spend: Mapping[str, Any], name: str) -> None:
-        """§8.2: before paying for a step, check the durable spend — a crash
-        between journaling an over-budget step and the failing ack must not buy
-        one more step on the next attempt. Also honours a cancel request (§8.6)."""
-        if spend["cancel_requested"]:
-            raise self._control(CancelRequested(f"job {self.id}: cancel requested"))
-        self._check_budget(spend, name)
-
-    def _check_budget(self, spend: Mapping[str, Any], name: str) -> None:
-        over_usd = (spend["budget_usd_micros"] is not None
-                    and spend["spent_usd_micros"] > spend["budget_usd_micros"])
-        over_tokens = (spend["budget_tokens"] is not None
-                       and spend["spent_tokens"] > spend["budget_tokens"])
-        if over_usd or over_tokens:
-            raise self._control(BudgetExceeded({
-                "error": "budget_exceeded", "step": name, "attempt": self.attempt,
-                "spent_usd_micros": spend["spent_usd_micros"],
-                "budget_usd_micros": spend["budget_usd_micros"],
-                "spent_tokens": spend["spent_tokens"], "budget_tokens": spend["budget_tokens"],
-            }))
-
-
     # -- Events, signals, steering, sleep (§7, §8.1) ------------------------------------
 
     def emit(self, payload: Mapping[str, Any]) -> int:
@@ -407,23 +371,7 @@ class Context:
         that back, so the window converges on what was really used. With no such
         rate, pass ``period`` (seconds) to record usage all the same.
         """
-        check_debit(resource, units, period)
-        rate = self._rate
-        credit = 0
-        if rate is not None and rate.resource == resource:
-            period = rate.period
-            if self._execution.take_credit():
-                credit = rate.estimate
-        elif period is None:
-            raise ConfigurationError(
-                f"queue {self.queue!r} has no rate on resource {resource!r}: add "
-                f"rate={{'resource': {resource!r}, ...}} to the queue's options, or pass "
-                "period=<seconds> to record the usage without admission"
-            )
-        epoch = int(self.client.clock.now().timestamp())
-        with self.client.connection() as conn:
-            store.rate_add(conn, names.resource_bucket(resource),
-                           names.window_start(epoch, period), units - credit)
+        record_debit(self, resource, units, period)
 
     # -- Children (§8.4) ---------------------------------------------------------------
 
@@ -447,51 +395,9 @@ class Context:
 
     def _spawn_many(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],
                     options: dict[str, Any], *, share: bool) -> list[int]:
-        if not isinstance(name, str) or not name:
-            raise ValidationError(f"a spawn name is a non-empty string, got {name!r}")
-        # Room for the children's keys, $spawn:<parent>:<name>:<index> (§8.4).
-        names.check_text(name, "a spawn name", max_bytes=names.MAX_KEY_BYTES - 64, empty=True)
-        inputs = list(inputs)
-        if isinstance(kind, str):
-            kind = self.registry.get(kind) or kind
+        from belay.children import spawn_children
 
-        def specs(budget: Any) -> list[JobSpec]:
-            return [
-                JobSpec(kind, child_input, **{**options, "budget": budget}, internal={
-                    "parent_id": self.id, "unique_key": names.spawn_key(self.id, name, index),
-                    "unique_mode": "always",
-                })
-                for index, child_input in enumerate(inputs)
-            ]
-
-        # Bad options fail here, before anything is journaled.
-        specs(None if share else options.get("budget"))
-
-        def insert() -> list[int]:
-            # Ids come back for inserted children and for holders of their keys
-            # alike: the list is rebuilt from the keys, never trusted from a
-            # partial insert.
-            budget = self._share(len(inputs)) if share else options.get("budget")
-            return [job.id for job in self.client.enqueue_many(specs(budget))]
-
-        ids = self._step(f"$spawn:{name}", insert, None)
-        if not isinstance(ids, list):
-            raise ValidationError(f"step $spawn:{name} holds {ids!r}, not a list of job ids")
-        return ids
-
-    def _share(self, children: int) -> dict[str, Any] | None:
-        """An even share, per child, of what is left of this job's budget now."""
-        with self.client.connection() as conn:
-            job = store.get_job(conn, self.id)
-        if job is None or children == 0:
-            return None
-        budget: dict[str, Any] = {}
-        if job.budget_usd_micros is not None:
-            left = max(job.budget_usd_micros - job.spent_usd_micros, 0)
-            budget["usd"] = (left // children) / 1_000_000
-        if job.budget_tokens is not None:
-            budget["tokens"] = max(job.budget_tokens - job.spent_tokens, 0) // children
-        return budget or None
+        return spawn_children(self, name, kind, inputs, options, share=share)
 
     def spawn(self, name: str, kind: Any, input: Mapping[str, Any] | None = None,
               **options: Any) -> int:
@@ -504,19 +410,9 @@ class Context:
         Parks on ``$children`` (no thread held) until a child's terminal write
         signals it; re-verifies on every wake (§8.4, races R1/R2).
         """
-        self.checkpoint()
-        scope = names.job_scope(self.id)
-        for verify in range(2):
-            with self.client.connection() as conn:
-                kids = store.children(conn, self.id)
-            if all(kid.terminal for kid in kids):
-                return kids
-            if verify == 0:
-                # A $children signal from an earlier child is stale now; clear it,
-                # then look again, so a child finishing in between is not missed.
-                with self.client.transaction() as conn:
-                    store.clear_signal(conn, scope, names.CHILDREN)
-        raise self._control(Park(scope, names.CHILDREN, None))
+        from belay.children import wait_for_children
+
+        return wait_for_children(self)
 
     def map_children(self, name: str, kind: Any, inputs: Iterable[Mapping[str, Any]],
                      **options: Any) -> list[Job]:
@@ -540,7 +436,6 @@ class Context:
         return kids
 
 
-#: ``budget=SHARE`` for children: an even share of what the parent has left.
 class Journal:
     """The journal of one run (§8.2): look up and record its steps.
 
@@ -566,7 +461,7 @@ class Journal:
         if found is not None and found["hit"]:
             return True, decode_value(found["value"])
         if found is not None:
-            ctx._preflight(found, name)
+            self._preflight(found, name)
         return False, None
 
     def record(self, name: str, value: T, cost: CostSpec[T] = None,
@@ -577,7 +472,7 @@ class Journal:
         journaled the step first (§11.3)."""
         ctx = self._ctx
         if units is None:
-            units = ctx._priced(name, value, cost) if callable(cost) else cost_units(cost)
+            units = self._priced(name, value, cost) if callable(cost) else cost_units(cost)
         usd_micros, tokens = units
         try:
             envelope = encode_value(value, what=f"the value of step {name!r}")
@@ -602,10 +497,46 @@ class Journal:
                 _, journaled = store.get_step(conn, job_id, name)
                 value = decode_value(journaled)
         if spend is not None:
-            ctx._check_budget(spend, name)
+            self._check_budget(spend, name)
         return value
 
+    def _priced(self, name: str, value: T, cost: CostSpec[T]) -> tuple[int, int]:
+        """Run a step's cost function. It failing is a bug that a retry would pay
+        for again, so the job fails at once (like a value that can't be journaled)."""
+        assert callable(cost)
+        try:
+            return cost_units(cost(value))
+        except Exception as exc:
+            # describe(): the exception's own __str__ may raise, and must not
+            # turn this refusal into an ordinary retry that pays for the step again.
+            raise self._ctx._control(StepValueRefused(
+                f"the cost function of step {name!r} failed: {describe(exc)}; "
+                "it gets the step's value and returns a belay.Cost, a dict or None"
+            )) from exc
 
+    def _preflight(self, spend: Mapping[str, Any], name: str) -> None:
+        """§8.2: before paying for a step, check the durable spend — a crash
+        between journaling an over-budget step and the failing ack must not buy
+        one more step on the next attempt. Also honours a cancel request (§8.6)."""
+        if spend["cancel_requested"]:
+            raise self._ctx._control(CancelRequested(f"job {self._ctx.id}: cancel requested"))
+        self._check_budget(spend, name)
+
+    def _check_budget(self, spend: Mapping[str, Any], name: str) -> None:
+        over_usd = (spend["budget_usd_micros"] is not None
+                    and spend["spent_usd_micros"] > spend["budget_usd_micros"])
+        over_tokens = (spend["budget_tokens"] is not None
+                       and spend["spent_tokens"] > spend["budget_tokens"])
+        if over_usd or over_tokens:
+            raise self._ctx._control(BudgetExceeded({
+                "error": "budget_exceeded", "step": name, "attempt": self._ctx.attempt,
+                "spent_usd_micros": spend["spent_usd_micros"],
+                "budget_usd_micros": spend["budget_usd_micros"],
+                "spent_tokens": spend["spent_tokens"], "budget_tokens": spend["budget_tokens"],
+            }))
+
+
+#: ``budget=SHARE`` for children: an even share of what the parent has left.
 SHARE = "share"
 
 
@@ -640,3 +571,25 @@ def cost_units(cost: Cost | Mapping[str, Any] | None) -> tuple[int, int]:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < 2**63:
         raise ValidationError(f"cost tokens must be an integer from 0 to 2**63-1, got {tokens!r}")
     return usd_to_micros(cost.usd, what="cost usd"), tokens
+
+
+def record_debit(ctx: Context, resource: str, units: int, period: int | None) -> None:
+    """``ctx.debit``: add ``units`` to ``resource``'s rate window, crediting back
+    the claim's estimate the first time in a run."""
+    check_debit(resource, units, period)
+    rate = ctx._rate
+    credit = 0
+    if rate is not None and rate.resource == resource:
+        period = rate.period
+        if ctx._execution.take_credit():
+            credit = rate.estimate
+    elif period is None:
+        raise ConfigurationError(
+            f"queue {ctx.queue!r} has no rate on resource {resource!r}: add "
+            f"rate={{'resource': {resource!r}, ...}} to the queue's options, or pass "
+            "period=<seconds> to record the usage without admission"
+        )
+    epoch = int(ctx.client.clock.now().timestamp())
+    with ctx.client.connection() as conn:
+        store.rate_add(conn, names.resource_bucket(resource),
+                       names.window_start(epoch, period), units - credit)

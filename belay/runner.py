@@ -17,10 +17,8 @@ import signal
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -40,12 +38,12 @@ from belay.parts.hooks import OUTCOMES, Hooks, JobEnd
 from belay.parts.leases import Leases
 from belay.parts.maintenance import RECLAIM_LIMIT, Maintenance, registry_backoff
 from belay.parts.pool import WorkerPool
-from belay.parts.processes import ProcessPool, private_socket, remove_private
+from belay.parts.processes import out_of_process
 from belay.parts.producer import HOT_WINDOW, IDLE_BACKSTOP, Producers, claim_jobs
 from belay.parts.queueconfig import QueueConfig
 from belay.parts.running import JobRunner, Middleware
 from belay.parts.service import Service, Supervisor
-from belay.parts.sockets import ExecutorServer
+from belay.parts.surface import HookMethods, QueueMethods
 from belay.queues import QueueSpec, parse_queues
 from belay.registry import DEFAULT_REGISTRY, Registry
 from belay.retention import DEFAULT_SIGNAL_TTL, keep_ok, parse_retention
@@ -98,7 +96,7 @@ def _signals(grace: float) -> Iterator[threading.Event]:
             signal.signal(number, handler)
 
 
-class Worker:
+class Worker(HookMethods, QueueMethods):
     """Runs the registered workers' jobs from the given queues.
 
     ``queues`` maps each queue to its local concurrency limit or to a dict of
@@ -203,76 +201,20 @@ class Worker:
             kinds=(None if executor_socket is None and processes is None
                    else self._chunk_kinds if processes is not None else self.registry.kinds),
         )
-        #: Executors on a Unix-domain socket (docs/executors.md), when asked for:
-        #: ``executor_socket=True`` takes the default path. A process pool
-        #: without one gets a private socket.
-        self.executors: ExecutorServer | None = None
-        #: The process pool (docs/executors.md), with ``processes=N``.
-        self.processes: ProcessPool | None = None
-        self._private: Path | None = None
-        if processes is not None and executor_socket in (None, False):
-            executor_socket, self._private = private_socket()
-            weakref.finalize(self, remove_private, self._private)
-        if executor_socket is not None and executor_socket is not False:
-            self.executors = ExecutorServer(
-                self.client, list(self.queues),
-                path=None if executor_socket is True else executor_socket,
-                mode=executor_socket_mode, lease_ttl=self.lease_ttl,
-                registry=self.registry if processes is not None else None)
-            self.executors.on_crash = self.supervisor.report
-            self.executors.hooks = self.hooks
-        if processes is not None:
-            assert self.executors is not None
-            self.processes = ProcessPool(
-                self.executors, self.registry, self.client, processes=processes,
-                max_tasks_per_child=max_tasks_per_child,
-                max_memory_per_child=max_memory_per_child, notify=notify)
-        elif max_tasks_per_child is not None or max_memory_per_child is not None:
-            raise ConfigurationError("max_tasks_per_child and max_memory_per_child are "
-                                     "settings of a process pool: pass processes=N too")
+        #: Executors on a Unix-domain socket (docs/executors.md), when asked
+        #: for, and the process pool (docs/processes.md), with ``processes=N``.
+        self.executors, self.processes = out_of_process(
+            self.client, list(self.queues), self.registry, self.hooks, self.supervisor.report,
+            executor_socket=executor_socket, mode=executor_socket_mode,
+            lease_ttl=self.lease_ttl, processes=processes,
+            max_tasks_per_child=max_tasks_per_child,
+            max_memory_per_child=max_memory_per_child, notify=notify)
         self.maintenance = Maintenance(
             self.pools.connection, self._now, backoff=registry_backoff(self.registry),
             announce=self.completer.announce, poke=self.completer.poke, keep=self.retention,
             signal_ttl=self.signal_ttl, rate_periods=self._rate_periods,
             sweep_interval=self.sweep_interval,
         )
-
-    # -- Hooks and middleware ------------------------------------------------------------
-
-    def on_job_start(self, hook: Callable[[Job], None]) -> Callable[[Job], None]:
-        """Call ``hook(job)`` as each execution starts, on its thread, before the
-        function runs; usable as a decorator. A hook that raises is logged."""
-        self.hooks.start.append(hook)
-        return hook
-
-    def on_job_end(self, hook: Callable[[JobEnd], None]) -> Callable[[JobEnd], None]:
-        """Call ``hook(JobEnd)`` once after every execution that started (for
-        metrics); usable as a decorator. A hook that raises is logged."""
-        self.hooks.end.append(hook)
-        return hook
-
-    def on_stop(self, hook: Callable[[], None]) -> Callable[[], None]:
-        """Call ``hook()`` once ``stop()`` is done (to close what serves this
-        worker, like a metrics endpoint); usable as a decorator. After a
-        crash, ``worker.crashed`` holds what ended it."""
-        self._stop_hooks.append(hook)
-        return hook
-
-    def on_crash(self, hook: Callable[[str, BaseException], None]
-                 ) -> Callable[[str, BaseException], None]:
-        """Call ``hook(service, exception)`` when a background service dies (the
-        worker then stops claiming and stops); usable as a decorator."""
-        self._crash_hooks.append(hook)
-        return hook
-
-    def middleware(self, layer: Middleware) -> Middleware:
-        """Wrap every run of a job's function: ``layer(contexts, call)`` runs on
-        the executor thread, must call ``call()`` once and return what it
-        returns (a chunk's ``contexts`` hold all its jobs). What it raises is the
-        job's error. The first layer added is the outermost; usable as a
-        decorator. See docs/worker.md."""
-        self.runner.middleware.append(layer)
-        return layer
 
     # -- Lifecycle -------------------------------------------------------------------
 
@@ -421,61 +363,6 @@ class Worker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    # -- Queues: static, dynamic, paused (§8.6) ----------------------------------------
-
-    def live_queues(self) -> dict[str, QueueSpec]:
-        """The queues this node serves now, with their effective options."""
-        return self.producers.specs()
-
-    def queue_limit(self, queue: str) -> int | None:
-        """The queue's current local limit here (adaptive limits move); None if not served."""
-        found = self.producers.get(queue)
-        return None if found is None else found.limit
-
-    def pause_queue(self, queue: str) -> None:
-        """Stop claiming from ``queue`` on this node only (running jobs finish).
-        ``Belay.pause_queue`` pauses it on every node."""
-        with self.producers.lock:
-            self.producers.paused_here.add(queue)
-
-    def resume_queue(self, queue: str) -> None:
-        with self.producers.lock:
-            self.producers.paused_here.discard(queue)
-        self.producers.wake(queue)
-
-    def sync_queues(self) -> dict[str, QueueSpec]:
-        """Merge the ``belay_queues`` rows over the static queues now (the
-        ``belay-queues`` thread does this every ``queue_sync_interval``)."""
-        with self.pools.connection() as conn:
-            specs = self.queue_config.effective(conn)
-        if self._started:
-            self._apply(specs)
-        return specs
-
-    def _sync_loop(self, service: Service) -> None:
-        while not service.wait(self.queue_sync_interval):
-            try:
-                self.sync_queues()
-            except Exception:
-                log.exception("belay: syncing queues failed; keeping the current ones")
-
-    def _apply(self, specs: Mapping[str, QueueSpec]) -> None:
-        """Serve exactly ``specs``: producers, executor threads and pool follow."""
-        with self._lock:
-            live = self.producers.apply(specs)
-            if live is None:  # stopping
-                return
-            self.executor.resize(sum(q.spec.limit for q in live))
-            self.pools.resize(q.spec for q in live)
-
-    def _chunk_kinds(self) -> list[str]:
-        return [kind for kind in self.registry.kinds()
-                if (found := self.registry.get(kind)) is not None and found.chunk is not None]
-
-    def _spec_for(self, queue: str) -> QueueSpec | None:
-        live = self.producers.get(queue)
-        return self.queue_config.spec_for(queue, None if live is None else live.spec)
 
     # -- Running (the executor's calls) ---------------------------------------------------
 

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from belay.errors import ConfigurationError
 from belay.outcome import retry_or_fail
 from belay.parts.child import ENV, Settings
 from belay.parts.execution import Execution
+from belay.parts.hooks import Hooks
 from belay.parts.service import Service
 from belay.parts.sockets import ExecutorServer
 from belay.registry import DEFAULT_REGISTRY, Registry
@@ -277,6 +279,39 @@ class ProcessPool:
             acked = self.server.ack(job, outcome)
             self.server.ended(execution, outcome.kind if acked else "stale", error)
         return []
+
+
+def out_of_process(
+    client: Belay, queues: list[str], registry: Registry, hooks: Hooks,
+    on_crash: Callable[[Service, BaseException], None], *,
+    executor_socket: str | os.PathLike[str] | bool | None, mode: int, lease_ttl: float,
+    processes: int | None, max_tasks_per_child: int | None,
+    max_memory_per_child: int | None, notify: bool,
+) -> tuple[ExecutorServer | None, ProcessPool | None]:
+    """A worker's executors on a socket (``executor_socket``: a path, or True
+    for the default place) and its process pool (``processes``), as asked for;
+    a pool without a socket of the user's gets a private one."""
+    if processes is None and (max_tasks_per_child is not None
+                              or max_memory_per_child is not None):
+        raise ConfigurationError("max_tasks_per_child and max_memory_per_child are "
+                                 "settings of a process pool: pass processes=N too")
+    private: Path | None = None
+    if processes is not None and executor_socket in (None, False):
+        executor_socket, private = private_socket()
+    if executor_socket is None or executor_socket is False:
+        return None, None
+    server = ExecutorServer(client, queues, path=None if executor_socket is True
+                            else executor_socket, mode=mode, lease_ttl=lease_ttl,
+                            registry=registry if processes is not None else None)
+    server.on_crash = on_crash
+    server.hooks = hooks
+    if private is not None:
+        weakref.finalize(server, remove_private, private)
+    if processes is None:
+        return server, None
+    return server, ProcessPool(server, registry, client, processes=processes,
+                               max_tasks_per_child=max_tasks_per_child,
+                               max_memory_per_child=max_memory_per_child, notify=notify)
 
 
 def describe_exit(code: int | None) -> str:
