@@ -52,12 +52,12 @@ def apply_break(rules: str) -> None:
 
 def _break(rule: str) -> None:
     if rule == "budget":
-        from belay.context import Context
+        from belay.context import Journal
 
-        def no_budget(self: Context, spend: Any, name: str) -> None:
+        def no_budget(self: Journal, spend: Any, name: str) -> None:
             return None
 
-        Context._check_budget = no_budget  # type: ignore[method-assign]
+        Journal._check_budget = no_budget  # type: ignore[method-assign]
     elif rule == "fence":
         from belay import store
 
