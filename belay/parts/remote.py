@@ -135,9 +135,16 @@ def concluded(message: Mapping[str, Any]) -> Outcome | Parked:
             raise ReportRefused("park is an object with a scope and a name (strings)")
         return Parked(park["scope"], park["name"], _instant(park.get("deadline"), "deadline"))
     outcome = message.get("outcome")
-    if not isinstance(outcome, Mapping) or outcome.get("kind") not in CONCLUDED_KINDS:
+    # isinstance first: a kind that is a list or an object is unhashable.
+    if not isinstance(outcome, Mapping) or not isinstance(outcome.get("kind"), str) \
+            or outcome["kind"] not in CONCLUDED_KINDS:
         raise ReportRefused("concluded carries an outcome with a kind (one of "
                             f"{', '.join(sorted(CONCLUDED_KINDS))}) or a park")
+    kind = outcome["kind"]
+    if kind in ("retry", "failed") and not isinstance(outcome.get("error"), Mapping):
+        raise ReportRefused(f"a {kind} outcome carries its error (an object)")
+    if kind in ("retry", "snooze") and outcome.get("at") is None:
+        raise ReportRefused(f"a {kind} outcome carries when the job runs again (at)")
     text = outcome.get("result_json")
     result: bytes | None = None
     if text is not None:

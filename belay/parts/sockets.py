@@ -60,7 +60,6 @@ from belay.parts.hooks import Hooks
 from belay.parts.leases import Leases, timeout_outcome
 from belay.parts.producer import claim_jobs
 from belay.parts.remote import (
-    CONCLUDED_KINDS,
     Parked,
     ReportRefused,
     concluded,
@@ -711,16 +710,10 @@ def _storable(value: Any, what: str) -> None:
 
 def _concluded(message: dict[str, Any]) -> Outcome | Parked:
     """:func:`~belay.parts.remote.concluded`, refusing what it would let
-    through to fail later: a kind that is a list or an object (unhashable, a
-    TypeError there, which closed the connection), a NUL in the outcome's
-    error, and a park's scope or name the Python worker would refuse (a NUL
-    failed the write; one over PostgreSQL's index row size was answered
-    ``unavailable``, "report it again", forever)."""
-    outcome = message.get("outcome")
-    if message.get("park") is None and isinstance(outcome, dict) \
-            and not isinstance(outcome.get("kind"), str):
-        raise ReportRefused("outcome.kind is a string: one of "
-                            f"{', '.join(sorted(CONCLUDED_KINDS))}")
+    through to fail later: a NUL in the outcome's error, and a park's scope or
+    name the Python worker would refuse (a NUL failed the write; one over
+    PostgreSQL's index row size was answered ``unavailable``, "report it
+    again", forever)."""
     decided = concluded(message)
     if isinstance(decided, Parked):
         try:
