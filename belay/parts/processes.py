@@ -149,9 +149,9 @@ class ProcessPool:
         self._failures = 0
         self._stopping = False
         self.service: Service | None = None
-        server.on_cancel = self.cancelled
-        server.on_disconnect = self.disconnected
-        server.on_connect = self.connected
+        server.callbacks.on_cancel = self.cancelled
+        server.callbacks.on_disconnect = self.disconnected
+        server.callbacks.on_connect = self.connected
         # Raises now, in the caller, when the functions can't be found.
         self._settings("check")
 
@@ -276,8 +276,8 @@ class ProcessPool:
             outcome = retry_or_fail(error, job.attempt, job.max_attempts,
                                     self.client.clock.now(), backoff)
             log.error("belay: job %d attempt %d: %s", job.id, job.attempt, error["error"])
-            acked = self.server.ack(job, outcome)
-            self.server.ended(execution, outcome.kind if acked else "stale", error)
+            acked = self.server.records.ack(job, outcome)
+            self.server.records.ended(execution, outcome.kind if acked else "stale", error)
         return []
 
 
@@ -303,8 +303,8 @@ def out_of_process(
     server = ExecutorServer(client, queues, path=None if executor_socket is True
                             else executor_socket, mode=mode, lease_ttl=lease_ttl,
                             registry=registry if processes is not None else None)
-    server.on_crash = on_crash
-    server.hooks = hooks
+    server.callbacks.on_crash = on_crash
+    server.records.hooks = hooks
     if private is not None:
         weakref.finalize(server, remove_private, private)
     if processes is None:

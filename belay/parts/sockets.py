@@ -43,7 +43,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,24 +52,21 @@ from belay import names, protocol, socketpath, store
 from belay.client import Belay
 from belay.errors import BelayError, ValidationError
 from belay.job import Job
-from belay.outcome import Outcome, retry_or_fail
-from belay.parts.completer import ack_on
+from belay.outcome import Outcome
 from belay.parts.execution import ACKED, LOST, Execution
-from belay.parts.hooks import Hooks
 from belay.parts.leases import Leases, timeout_outcome
 from belay.parts.producer import claim_jobs
+from belay.parts.records import Records
 from belay.parts.remote import (
     Parked,
     ReportRefused,
     concluded,
-    job_backoff,
     reported,
-    timeout_of,
 )
 from belay.parts.service import Service
 from belay.queues import QueueSpec
 from belay.queues import merge as merge_queues
-from belay.registry import Registry, WorkerDef
+from belay.registry import Registry
 
 log = logging.getLogger("belay.executors")
 
@@ -84,6 +80,23 @@ HELLO_TIMEOUT = 10.0
 #: Seconds a frame may wait for an executor that stopped reading before its
 #: connection is closed (so one stuck executor never stalls the others).
 SEND_TIMEOUT = 5.0
+
+
+@dataclass
+class Callbacks:
+    """What an :class:`ExecutorServer` tells its owner; each optional."""
+
+    #: ``on_cancel(runtime_id, job_id, reason)``: after ``cancel_execution``
+    #: went to an executor (the process pool kills that child).
+    on_cancel: Callable[[str, int, str], None] | None = None
+    #: ``on_disconnect(runtime_id, executions)`` → the ones still to give back
+    #: (the process pool fails the attempt of a child that died instead).
+    on_disconnect: Callable[[str, list[Execution]], list[Execution]] | None = None
+    #: ``on_connect(runtime_id)``: after an executor's hello was accepted.
+    on_connect: Callable[[str], None] | None = None
+    #: ``on_crash(service, exc)``: one of the server's services died (the
+    #: worker's crash policy).
+    on_crash: Callable[[Service, BaseException], None] | None = None
 
 
 @dataclass
@@ -131,9 +144,6 @@ class ExecutorServer:
         clock: Callable[[], float] = time.monotonic,
         hello_timeout: float = HELLO_TIMEOUT,
         send_timeout: float = SEND_TIMEOUT,
-        on_cancel: Callable[[str, int, str], None] | None = None,
-        on_disconnect: Callable[[str, list[Execution]], list[Execution]] | None = None,
-        on_connect: Callable[[str], None] | None = None,
         registry: Registry | None = None,
     ) -> None:
         if mode not in socketpath.MODES:
@@ -147,23 +157,10 @@ class ExecutorServer:
         self.hello_timeout = hello_timeout
         self.send_timeout = send_timeout
         self._clock = clock
-        #: ``on_cancel(runtime_id, job_id, reason)``: after ``cancel_execution``
-        #: went to an executor (the process pool kills that child).
-        self.on_cancel = on_cancel
-        #: ``on_disconnect(runtime_id, executions)`` → the ones still to give
-        #: back (the process pool fails the attempt of a child that died instead).
-        self.on_disconnect = on_disconnect
-        #: The worker's ``on_job_start``/``on_job_end`` hooks, when it has them:
-        #: called as executors report starts and ends (metrics count their jobs).
-        self.hooks: Hooks | None = None
-        #: ``on_crash(service, exc)``: one of the server's services died (the
-        #: worker's crash policy).
-        self.on_crash: Callable[[Service, BaseException], None] | None = None
-        #: ``on_connect(runtime_id)``: after an executor's hello was accepted.
-        self.on_connect = on_connect
-        #: Where a kind's timeout and backoff come from, for the kinds it knows
-        #: (the process pool's); other kinds take them from the job's meta.
-        self.registry = registry
+        #: What the server tells its owner (the worker, the process pool).
+        self.callbacks = Callbacks()
+        #: The acks, parks and job hooks of what executors report.
+        self.records = Records(client, registry)
         self._lock = threading.Lock()
         self._connections: dict[int, _Connection] = {}
         self._numbers = itertools.count(1)
@@ -221,8 +218,8 @@ class ExecutorServer:
         lost = self.leases.lose_all()
         log.critical("belay: the executor server's %s crashed; it dispatches no more and "
                      "executions %s are lost", service.name, [e.job.id for e in lost])
-        if self.on_crash is not None:
-            self.on_crash(service, exc)
+        if self.callbacks.on_crash is not None:
+            self.callbacks.on_crash(service, exc)
 
     def drain(self, grace: float) -> list[int]:
         """Stop dispatching and wait up to ``grace`` seconds for the executions
@@ -323,36 +320,15 @@ class ExecutorServer:
             self.leases.release(execution)
             if execution.end(LOST):
                 ours.append(execution)
-        if ours and self.on_disconnect is not None:
-            ours = self.on_disconnect(connection.runtime_id, ours)
+        if ours and self.callbacks.on_disconnect is not None:
+            ours = self.callbacks.on_disconnect(connection.runtime_id, ours)
         back = 0
         for execution in ours:
-            back += self._give_back(execution.job)
-            self.ended(execution, "lost")
+            back += self.records.give_back(execution.job)
+            self.records.ended(execution, "lost")
         if connection.runtime_id:
             log.info("belay: executor %s disconnected (%s); %d job(s) back to their queues",
                      connection.node_id, why, back)
-
-    def _refuse_job(self, job: Job, why: str) -> None:
-        """An attempt no executor can be given: failed (retried while attempts remain)."""
-        log.error("belay: job %d attempt %d: %s", job.id, job.attempt, why)
-        now = self.client.clock.now()
-        outcome = retry_or_fail({"error": f"ValidationError: {why}", "attempt": job.attempt},
-                                job.attempt, job.max_attempts, now, self.backoff(job))
-        with self.client.connection() as conn:
-            ack_on(conn, job, outcome, now, self._announce)
-
-    def _give_back(self, job: Job) -> int:
-        """Snooze the claimed attempt back, due now: not an attempt used."""
-        now = self.client.clock.now()
-        try:
-            with self.client.connection() as conn:
-                acked = ack_on(conn, job, Outcome("snooze", at=now), now, self._announce)
-        except (psycopg.Error, BelayError):
-            log.warning("belay: giving job %d back failed; its lease lapses and reclaim "
-                        "retries it", job.id, exc_info=True)
-            return 0
-        return 0 if acked is None else 1
 
     def _send(self, connection: _Connection, message: dict[str, Any]) -> bool:
         frame = protocol.encode(message, self.max_frame_bytes)
@@ -378,22 +354,10 @@ class ExecutorServer:
             self.leases.release(item.execution)
             self._wake()
 
-    def _announce(self, conn: store.Conn, acked: store.Acked) -> None:
-        results = [acked.job.id] if acked.job.terminal else []
-        self.client.poke(conn, {q for _, q in acked.settled.ready},
-                         results + acked.settled.cancelled)
-
-    def ended(self, execution: Execution, outcome: str, error: Any = None) -> None:
-        """Tell the ``on_job_end`` hooks (when there are any)."""
-        if self.hooks is not None:
-            self.hooks.finished(execution.job, outcome, execution.elapsed(), error)
-
     def _timed_out(self, execution: Execution) -> None:
-        job = execution.job
-        outcome = timeout_outcome(execution, self.client.clock.now(), self.backoff(job))
-        self.ack(job, outcome)
-        self.ended(execution, "timeout", outcome.error)
-        self._tell_cancel(execution, "timeout")
+        outcome = timeout_outcome(execution, self.client.clock.now(),
+                                  self.records.backoff(execution.job))
+        self._end_here(execution, outcome, "timeout")
 
     def _cancelled(self, execution: Execution) -> None:
         """A renewal saw the job's cancel request: it ends cancelled here now
@@ -404,37 +368,14 @@ class ExecutorServer:
         log.info("belay: job %d attempt %d: cancel requested; cancelling its execution",
                  job.id, job.attempt)
         error = {"reason": "cancel_requested", "attempt": job.attempt}
-        acked = self.ack(job, Outcome("cancelled", error=error))
-        self.ended(execution, "cancelled" if acked else "stale", error)
-        self._tell_cancel(execution, "cancel_requested")
+        self._end_here(execution, Outcome("cancelled", error=error), "cancel_requested")
 
-    def _definition(self, job: Job) -> WorkerDef | None:
-        return None if self.registry is None else self.registry.get(job.kind)
-
-    def backoff(self, job: Job) -> Callable[[int], float]:
-        definition = self._definition(job)
-        return job_backoff(job) if definition is None else definition.backoff
-
-    def timeout_ms(self, job: Job) -> int | None:
-        definition = self._definition(job)
-        if definition is None:
-            return timeout_of(job)
-        return None if definition.timeout is None else int(definition.timeout * 1000)
-
-    def park(self, job: Job, scope: str, name: str, deadline: datetime | None) -> str | None:
-        """§7 park-and-wake of the claimed attempt: "awaiting", "ready" (the
-        signal was there: it runs again now), or None when stale."""
-        now = self.client.clock.now()
-        with self.client.connection() as conn, conn.transaction():
-            parked = store.park_await(conn, job.id, job.attempt, scope, name, deadline, now)
-            if parked == "ready":
-                self.client.poke(conn, [job.queue])
-        return parked
-
-    def ack(self, job: Job, outcome: Outcome) -> store.Acked | None:
-        """One fenced ack of ``job``'s claimed attempt (None when stale)."""
-        with self.client.connection() as conn:
-            return ack_on(conn, job, outcome, self.client.clock.now(), self._announce)
+    def _end_here(self, execution: Execution, outcome: Outcome, reason: str) -> None:
+        """Ack an execution this server ended, report it, tell its executor."""
+        acked = self.records.ack(execution.job, outcome)
+        ending = "timeout" if reason == "timeout" else "cancelled" if acked else "stale"
+        self.records.ended(execution, ending, outcome.error)
+        self._tell_cancel(execution, reason)
 
     def _tell_cancel(self, execution: Execution, reason: str) -> None:
         connection: _Connection | None = execution.owner
@@ -446,8 +387,8 @@ class ExecutorServer:
             self._send(connection, protocol.message(
                 "cancel_execution", f"cancel-{execution_id}", execution_id=execution_id,
                 job_id=execution.job.id, reason=reason))
-        if ids and self.on_cancel is not None:
-            self.on_cancel(connection.runtime_id, execution.job.id, reason)
+        if ids and self.callbacks.on_cancel is not None:
+            self.callbacks.on_cancel(connection.runtime_id, execution.job.id, reason)
         self._wake()  # its slot is free
 
     # -- Dispatch ----------------------------------------------------------------------------
@@ -499,7 +440,7 @@ class ExecutorServer:
         return sent
 
     def _execute(self, connection: _Connection, job: Job) -> int:
-        timeout_ms = self.timeout_ms(job)
+        timeout_ms = self.records.timeout_ms(job)
         execution = Execution(job, None, None if timeout_ms is None else timeout_ms / 1000,
                               node=connection.node_id, clock=self._clock)
         execution.owner = connection
@@ -512,28 +453,35 @@ class ExecutorServer:
                 gone = False
                 connection.running[execution_id] = _Running(execution, reservation_id)
         if gone:
-            self._give_back(job)
+            self.records.give_back(job)
             return 0
         self.leases.hold(execution)
-        event = protocol.message(
-            "execute", execution_id, reservation_id=reservation_id, execution_id=execution_id,
-            job_id=job.id, task=job.kind, args=job.input, attempt=job.attempt,
-            max_attempts=job.max_attempts, timeout_ms=timeout_ms, queue=job.queue,
-            lease_ttl_ms=int(self.leases.lease_ttl * 1000))
+        event = execute_frame(execution_id, reservation_id, job, timeout_ms,
+                              self.leases.lease_ttl)
         try:
             ok = self._send(connection, event)
         except protocol.ProtocolError as exc:  # its input doesn't fit in a frame
             self._forget(connection, execution_id)
             if execution.end(ACKED):
-                self._refuse_job(job, f"the job can't be sent to an executor: {exc}")
+                self.records.refuse(job, f"the job can't be sent to an executor: {exc}")
             return 0
         if not ok:
             self._forget(connection, execution_id)
             if execution.end(LOST):
-                self._give_back(job)
+                self.records.give_back(job)
             self._close(connection, "a send to it timed out or failed (it stopped reading)")
             return 0
         return 1
+
+
+def execute_frame(execution_id: str, reservation_id: str, job: Job, timeout_ms: int | None,
+                  lease_ttl: float) -> dict[str, Any]:
+    """The ``execute`` message for a claimed job."""
+    return protocol.message(
+        "execute", execution_id, reservation_id=reservation_id, execution_id=execution_id,
+        job_id=job.id, task=job.kind, args=job.input, attempt=job.attempt,
+        max_attempts=job.max_attempts, timeout_ms=timeout_ms, queue=job.queue,
+        lease_ttl_ms=int(lease_ttl * 1000))
 
 
 class _Requests:
@@ -589,8 +537,8 @@ class _Requests:
             "hello_ok", request_id, node_id=connection.node_id))
         log.info("belay: executor %s connected (capacity %d)", connection.node_id,
                  hello.max_concurrency)
-        if self.server.on_connect is not None:
-            self.server.on_connect(hello.runtime_id)
+        if self.server.callbacks.on_connect is not None:
+            self.server.callbacks.on_connect(hello.runtime_id)
 
     def _answer(self, connection: _Connection, kind: str,
                 message: dict[str, Any]) -> dict[str, Any]:
@@ -615,8 +563,9 @@ class _Requests:
             return protocol.message("ok", request_id, tasks=registered)
         if kind == "started":
             item = self._running(connection, message)
-            if not item.started and self.server.hooks is not None:
-                self.server.hooks.started(item.execution)
+            hooks = self.server.records.hooks
+            if not item.started and hooks is not None:
+                hooks.started(item.execution)
             item.started = True
             return protocol.message("ok", request_id)
         if kind in ("succeeded", "failed", "concluded"):
@@ -657,19 +606,19 @@ class _Requests:
                          f"({execution.ended}); its outcome is discarded")
         try:
             if isinstance(decided, Parked):
-                parked = server.park(job, decided.scope, decided.name, decided.deadline)
+                parked = server.records.park(job, decided.scope, decided.name, decided.deadline)
                 state = None if parked is None else \
                     "ready" if parked == "ready" else "awaiting"
                 outcome = "woken" if parked == "ready" else "await"
             else:
-                acked = server.ack(job, decided)
+                acked = server.records.ack(job, decided)
                 state = None if acked is None else acked.job.state
                 outcome = decided.kind
         except BaseException:
             execution.reopen(ACKED)  # nothing written: the executor may report it again
             raise
         server._forget(connection, message["execution_id"])
-        server.ended(execution, "stale" if state is None else outcome,
+        server.records.ended(execution, "stale" if state is None else outcome,
                      None if isinstance(decided, Parked) else decided.error)
         if state is None:
             raise _Stale(f"job {job.id} attempt {job.attempt} was reclaimed or finished "
