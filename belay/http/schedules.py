@@ -34,12 +34,14 @@ Handler = Callable[[Request], Awaitable[Response]]
 ReadBody = Callable[[Request], Awaitable[Any]]
 
 
+#: The seed's names for a schedule's fields, where belay's differ.
+_RENAMED: Final = {"name": "id", "expression": "cron", "worker": "task", "input": "args"}
+
+
 def schedule_json(schedule: Schedule) -> dict[str, Any]:
-    view = schedule.to_dict()
-    view["id"] = view.pop("name")
-    view["cron"] = view.pop("expression")
-    view["task"] = view.pop("worker")
-    view["args"] = jsonable(view.pop("input"))
+    """A schedule in the seed's words: ``id``, ``cron``, ``task``, ``args``…"""
+    view = {_RENAMED.get(key, key): value for key, value in schedule.to_dict().items()}
+    view["args"] = jsonable(view["args"])
     view["options"] = jsonable(view["options"])
     return {"type": "schedule", **view}
 
