@@ -142,10 +142,17 @@ def test_max_tasks_per_child_recycles(real_client: belay.Belay,
 
 def test_max_memory_per_child_recycles(real_client: belay.Belay,
                                        sql_conn: psycopg.Connection[Any]) -> None:
-    ids = [real_client.enqueue("pool.hog", {"mb": 64}).id for _ in range(3)]
-    with pool(real_client, processes=1, max_memory_per_child=60):
-        pids = [real_client.await_result(i, timeout=30) for i in ids]
-    assert len(set(pids)) == 3
+    """Under the limit a child stays; the job that takes it over the limit is
+    the child's last."""
+    first = [real_client.enqueue("pool.pid", {"n": n}).id for n in range(2)]
+    hog = real_client.enqueue("pool.hog", {"mb": 300}).id
+    after = real_client.enqueue("pool.pid", {"n": 2}).id
+    with pool(real_client, processes=1, max_memory_per_child=200):
+        pids = [real_client.await_result(i, timeout=30)["pid"] for i in first]
+        hog_pid = real_client.await_result(hog, timeout=30)
+        last = real_client.await_result(after, timeout=30)["pid"]
+    assert pids[0] == pids[1] == hog_pid  # well under 200 MiB: the same child
+    assert last != hog_pid  # 300 MiB more: replaced after that job
 
 
 def test_children_that_cannot_start_crash_the_worker(

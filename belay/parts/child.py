@@ -172,8 +172,9 @@ class Child:
         """Run the job's attempt; the ``concluded`` fields of how it ended."""
         job = self.client.get_job(job_id)
         if job is None or job.state != "running" or job.attempt != attempt:
-            # Reclaimed or finished meanwhile: whatever is reported is stale.
-            return {"outcome": {"kind": "snooze", "at": None}}
+            # Reclaimed or finished meanwhile: the worker's fenced ack of
+            # whatever is reported finds it stale, and forgets the execution.
+            return outcome_fields(Outcome("snooze", at=self.client.clock.now()))
         definition = self._definition(job.kind)
         if definition is None:
             when = self.client.clock.now() + timedelta(seconds=RETURN_SNOOZE)
