@@ -310,12 +310,7 @@ def _ops_parsers(commands: Any) -> None:
     cput.add_argument("expression", metavar="EXPR", help='five UTC fields like "0 8 * * 1-5", '
                                                          "or @hourly, @daily…")
     cput.add_argument("worker", metavar="WORKER", help="the kind its jobs get")
-    cput.add_argument("--input", default=None, metavar="JSON", help="a JSON object")
-    cput.add_argument("--queue", default=None)
-    cput.add_argument("--priority", type=int, default=None)
-    cput.add_argument("--max-attempts", type=int, default=None)
-    cput.add_argument("--meta", default=None, metavar="JSON", help="a JSON object")
-    cput.add_argument("--partition-key", default=None)
+    _cron_job_arguments(cput)
     for action, text in (("pause", "stop a cron firing"), ("resume", "undo pause"),
                          ("delete", "delete a dynamic cron")):
         op(cron_actions, action, text, nested=True).add_argument("name")
@@ -329,12 +324,7 @@ def _ops_parsers(commands: Any) -> None:
                            "queue it, or allow it to run too")
     sput.add_argument("--catch-up", default="latest", choices=("latest", "all"),
                       help="several due at once: run the latest (default) or all in turn")
-    sput.add_argument("--input", default=None, metavar="JSON", help="a JSON object")
-    sput.add_argument("--queue", default=None)
-    sput.add_argument("--priority", type=int, default=None)
-    sput.add_argument("--max-attempts", type=int, default=None)
-    sput.add_argument("--meta", default=None, metavar="JSON", help="a JSON object")
-    sput.add_argument("--partition-key", default=None)
+    _cron_job_arguments(sput)
     op(cron_actions, "status", "a schedule's definition and state (cursor, next occurrence, "
                                "active job)", nested=True).add_argument("name")
     op(cron_actions, "cancel", "stop a schedule firing (declaring it again brings it back)",
@@ -917,15 +907,9 @@ def _crons(args: argparse.Namespace, client: Belay) -> int:
     if action in ("schedule", "status", "cancel"):
         return _schedules(args, client, action, name)
     if action == "put":
-        example = '\'{"report": "daily"}\''
-        options = {
-            "queue": args.queue, "priority": args.priority, "max_attempts": args.max_attempts,
-            "partition_key": args.partition_key,
-            "meta": None if args.meta is None else _json_object(args.meta, "--meta", example),
-        }
-        cron_input = None if args.input is None else _json_object(args.input, "--input", example)
+        cron_input, options = _cron_job(args)
         view = ops.cron_view(client.put_cron(name, args.expression, args.worker, cron_input,
-                                         **{k: v for k, v in options.items() if v is not None}))
+                                             **options))
         return _emit(args, view, f"put cron {name!r}: {view['expression']} -> "
                                  f"{view['worker']}" + (" (paused)" if view["paused"] else ""))
     done = {"pause": client.pause_cron, "resume": client.resume_cron,
@@ -937,21 +921,35 @@ def _crons(args: argparse.Namespace, client: Belay) -> int:
     return _emit(args, {"cron": name, past: True}, f"{past} cron {name!r}")
 
 
+def _cron_job_arguments(sub: argparse.ArgumentParser) -> None:
+    """The input and enqueue options of a cron's or a schedule's jobs."""
+    sub.add_argument("--input", default=None, metavar="JSON", help="a JSON object")
+    sub.add_argument("--queue", default=None)
+    sub.add_argument("--priority", type=int, default=None)
+    sub.add_argument("--max-attempts", type=int, default=None)
+    sub.add_argument("--meta", default=None, metavar="JSON", help="a JSON object")
+    sub.add_argument("--partition-key", default=None)
+
+
+def _cron_job(args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(input, enqueue options given) from :func:`_cron_job_arguments`."""
+    example = '\'{"report": "daily"}\''
+    options = {
+        "queue": args.queue, "priority": args.priority, "max_attempts": args.max_attempts,
+        "partition_key": args.partition_key,
+        "meta": None if args.meta is None else _json_object(args.meta, "--meta", example),
+    }
+    job_input = None if args.input is None else _json_object(args.input, "--input", example)
+    return job_input, {k: v for k, v in options.items() if v is not None}
+
+
 def _schedules(args: argparse.Namespace, client: Belay, action: str, name: str) -> int:
     from belay import cliformat
 
     if action == "schedule":
-        example = '\'{"report": "daily"}\''
-        options = {
-            "queue": args.queue, "priority": args.priority, "max_attempts": args.max_attempts,
-            "partition_key": args.partition_key,
-            "meta": None if args.meta is None else _json_object(args.meta, "--meta", example),
-        }
-        declared = client.schedule(
-            name, args.expression, args.worker,
-            None if args.input is None else _json_object(args.input, "--input", example),
-            overlap=args.overlap, catch_up=args.catch_up,
-            **{k: v for k, v in options.items() if v is not None})
+        job_input, options = _cron_job(args)
+        declared = client.schedule(name, args.expression, args.worker, job_input,
+                                   overlap=args.overlap, catch_up=args.catch_up, **options)
         view = declared.to_dict()
         return _emit(args, view, cliformat.schedule_text(view))
     if action == "cancel" and not client.cancel_schedule(name):

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psycopg
 from psycopg import sql
@@ -239,3 +241,65 @@ def refuse_updates_of(conn: Conn, job_id: int) -> None:
     conn.execute(
         f"CREATE TRIGGER belay_test_refuse_{job_id} BEFORE UPDATE ON belay_jobs FOR EACH ROW "
         f"WHEN (OLD.id = {int(job_id)}) EXECUTE FUNCTION belay_test_refuse()")
+
+
+# -- subprocesses ------------------------------------------------------------------------
+
+
+class Proc:
+    """A subprocess whose output lines (stdout and stderr) a reader thread collects."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env)
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._eof = False
+        assert self.popen.stdout is not None
+        self._reader = threading.Thread(target=self._read, args=(self.popen.stdout,),
+                                        name=f"test-{name}-output", daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._eof = True
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
+        """The first output line (already printed or coming) matching ``pattern``."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            seen = 0
+            while True:
+                for line in self.lines[seen:]:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    why = (f"exited ({self.popen.poll()})" if self._eof
+                           else f"printed nothing more in {timeout:g}s")
+                    raise AssertionError(f"{self.name} {why} without a line matching "
+                                         f"{pattern!r}; output:\n" + "\n".join(self.lines))
+                self._changed.wait(left)
+
+    def stop(self, sig: int = signal.SIGKILL, timeout: float = 20.0) -> int:
+        """Send ``sig`` unless it exited; its exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            code = self.popen.wait()
+        self._reader.join(5)
+        assert self.popen.stdout is not None
+        self.popen.stdout.close()
+        return code

@@ -19,11 +19,9 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import psycopg
 import pytest
@@ -31,7 +29,7 @@ import pytest
 import belay
 from belay import protocol
 from belay.errors import JobFailed
-from tests.helpers import job_row, wait_until
+from tests.helpers import Proc, job_row, wait_until
 
 EXECUTOR = (Path(__file__).resolve().parent.parent / "examples" / "node_worker"
             / "socket_executor.js")
@@ -46,65 +44,6 @@ if NODE is None:
                     "install Node 18+", pytrace=False)
     pytest.skip("node is not installed (Node 18+ runs examples/node_worker)",
                 allow_module_level=True)
-
-
-class Proc:
-    """A subprocess whose output lines (stdout and stderr) a reader thread collects."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env)
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        self._eof = False
-        assert self.popen.stdout is not None
-        self._reader = threading.Thread(target=self._read, args=(self.popen.stdout,),
-                                        name=f"test-{name}-output", daemon=True)
-        self._reader.start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self._eof = True
-            self._changed.notify_all()
-
-    def wait_for(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
-        """The first output line (already printed or coming) matching ``pattern``."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            seen = 0
-            while True:
-                for line in self.lines[seen:]:
-                    match = regex.search(line)
-                    if match:
-                        return match
-                seen = len(self.lines)
-                left = deadline - time.monotonic()
-                if self._eof or left <= 0:
-                    why = (f"exited ({self.popen.poll()})" if self._eof
-                           else f"printed nothing more in {timeout:g}s")
-                    raise AssertionError(f"{self.name} {why} without a line matching "
-                                         f"{pattern!r}; output:\n" + "\n".join(self.lines))
-                self._changed.wait(left)
-
-    def stop(self, sig: int = signal.SIGKILL, timeout: float = 20.0) -> int:
-        """Send ``sig`` unless it exited; its exit code."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-        try:
-            code = self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            code = self.popen.wait()
-        self._reader.join(5)
-        assert self.popen.stdout is not None
-        self.popen.stdout.close()
-        return code
 
 
 @pytest.fixture

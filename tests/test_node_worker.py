@@ -9,24 +9,20 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import psycopg
 import pytest
 
 import belay
 from belay.errors import JobFailed
-from tests.helpers import job_row
+from tests.helpers import Proc, job_row
 
 WORKER = Path(__file__).resolve().parent.parent / "examples" / "node_worker" / "worker.js"
 NODE = shutil.which("node")
@@ -37,69 +33,6 @@ if NODE is None:
                     pytrace=False)
     pytest.skip("node is not installed (Node 18+ runs examples/node_worker)",
                 allow_module_level=True)
-
-
-class Proc:
-    """A subprocess whose stdout lines a named reader thread collects (it stops at EOF)."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env)
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        self._eof = threading.Event()
-        assert self.popen.stdout is not None
-        self._reader = threading.Thread(target=self._read, args=(self.popen.stdout,),
-                                        name=f"test-{name}-stdout", daemon=True)
-        self._reader.start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self._eof.set()
-            self._changed.notify_all()
-
-    def wait_for(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
-        """The first output line (already seen or coming) matching ``pattern``."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while True:
-            with self._changed:
-                eof, lines = self._eof.is_set(), list(self.lines)
-            for line in lines[seen:]:
-                match = regex.search(line)
-                if match:
-                    return match
-            seen = len(lines)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"{self.name} printed no line matching {pattern!r} in "
-                                     f"{timeout:g}s; output:\n" + "\n".join(self.lines))
-            if eof:
-                raise AssertionError(f"{self.name} exited ({self.popen.poll()}) without a "
-                                     f"line matching {pattern!r}; output:\n"
-                                     + "\n".join(self.lines))
-            with self._changed:
-                if len(self.lines) == seen and not self._eof.is_set():
-                    self._changed.wait(left)
-
-    def stop(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-        try:
-            code = self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            code = self.popen.wait()
-        self._reader.join(5)
-        assert self.popen.stdout is not None
-        self.popen.stdout.close()
-        return code
 
 
 @pytest.fixture
