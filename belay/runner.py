@@ -247,7 +247,7 @@ class Worker(HookMethods, QueueMethods):
                 from belay.notify import Listener
 
                 self._listener = Listener(
-                    listen, self.pools.channel, self.producers.on_notify, name="belay-listener",
+                    listen, self.pools.channel, self._on_notify, name="belay-listener",
                     on_crash=self.supervisor.report,
                 )
                 self._listener.start()
@@ -270,7 +270,7 @@ class Worker(HookMethods, QueueMethods):
             if self.processes is not None:
                 # Running jobs get the grace; what is still running after it
                 # goes back to its queue when its child stops.
-                self.executors.drain(self.shutdown_grace if grace is None else grace)
+                self.processes.drain(self.shutdown_grace if grace is None else grace)
                 self.processes.stop()
             self.executors.stop()
         for service in services:
@@ -318,6 +318,12 @@ class Worker(HookMethods, QueueMethods):
         """What ended the first background service that crashed, if one did."""
         crash = self.supervisor.crashed
         return None if crash is None else crash[1]
+
+    def _on_notify(self, message: dict[str, Any]) -> None:
+        """A NOTIFY: wake the producer of its queue, and the executor dispatcher."""
+        self.producers.on_notify(message)
+        if self.executors is not None and message.get("t") == "p":
+            self.executors.wake()
 
     def _service_crashed(self, service: Service, exc: BaseException) -> None:
         """A background service died: stop claiming now, and stop. If it was

@@ -194,6 +194,17 @@ class ProcessPool:
                 child.process.kill()
                 child.process.wait()
 
+    def drain(self, grace: float) -> list[int]:
+        """Stop dispatching and wait up to ``grace`` seconds for the jobs the
+        children run to be reported; returns the ids still running then."""
+        self.server.stop_dispatching()
+        deadline = time.monotonic() + grace
+        while True:
+            running = self.server.in_flight()
+            if not running or time.monotonic() >= deadline:
+                return running
+            time.sleep(0.05)
+
     def _spawn(self) -> None:
         env = dict(os.environ)
         # The child's id is known only once it runs: it appends its pid.

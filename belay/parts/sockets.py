@@ -73,6 +73,12 @@ log = logging.getLogger("belay.executors")
 #: How long the dispatcher sleeps when no queue had work (a completion or a
 #: registration wakes it sooner).
 IDLE_WAIT = 0.5
+#: After a round that found work, the dispatcher skips the "is there work"
+#: read and keeps looking every BUSY_WAIT for this long (jobs that arrive
+#: soon after others are picked up at once), as the thread producers do.
+HOT_WINDOW = 0.25
+#: How long the ``belay_queues`` rows read by a round are reused.
+SPECS_TTL = 1.0
 #: How long it sleeps between rounds that found work.
 BUSY_WAIT = 0.005
 #: Seconds a new connection has to send its hello.
@@ -97,6 +103,23 @@ class Callbacks:
     #: ``on_crash(service, exc)``: one of the server's services died (the
     #: worker's crash policy).
     on_crash: Callable[[Service, BaseException], None] | None = None
+
+
+class _QueueSpecs:
+    """The served queues' options (their ``belay_queues`` rows over the
+    defaults), read again at most every :data:`SPECS_TTL`."""
+
+    def __init__(self, queues: Sequence[str]) -> None:
+        self.queues = list(queues)
+        self._at = -SPECS_TTL
+        self._specs: dict[str, QueueSpec] = {}
+
+    def get(self, conn: store.Conn) -> dict[str, QueueSpec]:
+        if time.monotonic() - self._at >= SPECS_TTL:
+            self._specs, _invalid = merge_queues({q: QueueSpec(q) for q in self.queues},
+                                                 store.list_queues(conn))
+            self._at = time.monotonic()
+        return self._specs
 
 
 @dataclass
@@ -173,6 +196,8 @@ class ExecutorServer:
         self._requests = _Requests(self)
         #: What killed a service of the server, once one died: no more dispatch.
         self.crashed: BaseException | None = None
+        self._hot_until = 0.0
+        self._specs = _QueueSpecs(self.queues)
 
     @property
     def path(self) -> Path:
@@ -221,20 +246,16 @@ class ExecutorServer:
         if self.callbacks.on_crash is not None:
             self.callbacks.on_crash(service, exc)
 
-    def drain(self, grace: float) -> list[int]:
-        """Stop dispatching and wait up to ``grace`` seconds for the executions
-        in flight to be reported; returns the job ids still running then."""
+    def in_flight(self) -> list[int]:
+        """The ids of the jobs executors are running now (not ended here)."""
+        with self._lock:
+            return [r.execution.job.id for c in self._connections.values()
+                    for r in c.running.values() if r.execution.ended is None]
+
+    def stop_dispatching(self) -> None:
         if self._dispatch is not None:
             self._dispatch.stop()
             self._dispatch.join(5.0)
-        deadline = self._clock() + grace
-        while True:
-            with self._lock:
-                running = [r.execution.job.id for c in self._connections.values()
-                           for r in c.running.values() if r.execution.ended is None]
-            if not running or self._clock() >= deadline:
-                return running
-            time.sleep(0.05)
 
     def __enter__(self) -> ExecutorServer:
         self.start()
@@ -397,6 +418,10 @@ class ExecutorServer:
         if self._dispatch is not None:
             self._dispatch.wake()
 
+    def wake(self) -> None:
+        """Look for work now (a NOTIFY said a queue has some)."""
+        self._wake()
+
     def _dispatch_loop(self, service: Service) -> None:
         wait = 0.0
         while not service.wait(wait):
@@ -409,22 +434,24 @@ class ExecutorServer:
                 log.warning("belay: dispatching to executors failed; retrying",
                             exc_info=True)
                 sent = 0
-            wait = BUSY_WAIT if sent else IDLE_WAIT
+            if sent:
+                self._hot_until = time.monotonic() + HOT_WINDOW
+            wait = BUSY_WAIT if time.monotonic() < self._hot_until else IDLE_WAIT
 
     def dispatch(self) -> int:
         """One round: claim for every connection with free capacity and send
-        the executions; returns how many were sent."""
+        the executions; returns how many were sent. Outside the hot window
+        one read first asks which queues have work at all."""
         with self._lock:
             ready = [c for c in self._connections.values() if c.ready and c.free() > 0]
         if not ready:
             return 0
         sent = 0
         with self.client.connection() as conn:
-            busy = store.queues_with_work(conn, self.queues, self.client.clock.now())
-            if not busy:
-                return 0
-            specs, _invalid = merge_queues({q: QueueSpec(q) for q in busy},
-                                           store.list_queues(conn))
+            specs = self._specs.get(conn)
+            if time.monotonic() >= self._hot_until:
+                busy = store.queues_with_work(conn, self.queues, self.client.clock.now())
+                specs = {name: spec for name, spec in specs.items() if name in busy}
             for connection in ready:
                 for spec in specs.values():
                     free = connection.free()
