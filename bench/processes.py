@@ -22,9 +22,9 @@ import); the thread variants run the same functions on the worker's threads.
   (the poll period) once the previous one's result came back, so it lands at a
   random phase of any poll loop (:data:`NOTIFIED_GAP` for threads woken by
   NOTIFY, which have no phase to randomise). Worker and client use
-  LISTEN/NOTIFY. The pool's dispatcher does not listen: when a round finds no
-  work it sleeps ``IDLE_WAIT`` (0.5 s) unless a completion or a child's
-  registration wakes it. Threads are also measured polling only (full run
+  LISTEN/NOTIFY: the worker's listener wakes the pool's dispatcher as it wakes
+  the thread producers (before 89e137f it did not, and an idle dispatcher
+  slept ``IDLE_WAIT``, 0.5 s). Threads are also measured polling only (full run
   only; ``poll_interval`` 0.5 s, ``busy_poll`` 25 ms, with the same pauses as
   the pool): their producer polls at ``busy_poll`` for 0.25 s after a claim
   that found work and then doubles its interval up to ``poll_interval``.
@@ -243,7 +243,7 @@ def _latency_figures(bench: Bench) -> list[Figure]:
             f"({NOTIFIED_GAP * 1000:.0f} ms for threads with notify) once the previous "
             "result came back: from enqueue() returning (commit acknowledged) to the "
             "time.time() the function read as it started. Worker and client with notify; "
-            "the pool's dispatcher does not listen (it claims every 0.5 s when idle). "
+            "a NOTIFY wakes the pool's dispatcher as it wakes the thread producers. "
             "Threads polling: no notify, poll_interval 0.5 s, busy_poll 25 ms (adaptive), "
             "same pauses as the pool. extra.claim_ms: commit → the claim's started_at; "
             "function start minus that is the hand-off.")
