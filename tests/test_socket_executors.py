@@ -16,6 +16,7 @@ import pytest
 import belay
 from belay import protocol
 from belay.clock import ManualClock
+from belay.parts import sockets
 from belay.parts.sockets import ExecutorServer
 from tests.helpers import job_row, wait_until
 
@@ -518,3 +519,30 @@ def test_belay_worker_serves_executors_with_no_python_workers(
             proc.kill()
         proc.communicate()
     assert not path.exists()
+
+
+def test_a_connection_registers_at_most_max_tasks(server: ExecutorServer,
+                                                  executor: Executor) -> None:
+    executor.hello(tasks=("sock.t",))
+    many = [f"t{n}" for n in range(sockets.MAX_TASKS)]
+    refused = executor.reply_to(executor.send("register_tasks", tasks=many))
+    assert refused["error"]["code"] == "invalid_request"
+    assert f"at most {sockets.MAX_TASKS} tasks" in refused["error"]["message"]
+    kept = executor.reply_to(executor.send("register_tasks", tasks=many[:10]))
+    assert kept["tasks"] == sorted(["sock.t", *many[:10]])  # the connection stays
+
+
+def test_connections_waiting_for_their_hello_are_capped(
+        server: ExecutorServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sockets, "MAX_WAITING", 3)
+    silent = [Executor(server.path) for _ in range(3)]
+    wait_until(lambda: server.connections() == 3, "three silent connections")
+    extra = Executor(server.path)
+    extra.sock.settimeout(2)  # shed at once, not after the 10 s hello_timeout
+    assert extra.sock.recv(1) == b""
+    extra.close()
+    for quiet in silent:
+        quiet.close()
+    wait_until(lambda: server.connections() == 0, "the silent ones gone")
+    with connected(server.path) as good:
+        good.hello()

@@ -978,10 +978,10 @@ def test_an_executor_that_never_reads_its_replies_is_dropped(
     bad, _ = holding(server, victim)
     with contextlib.closing(bad):
         bad.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        many = [f"fz.{i:04d}." + "t" * 200 for i in range(3000)]
-        # Each reply lists every task registered: ~600 kB, and it never reads one.
+        many = [f"fz.{i:04d}." + "t" * 200 for i in range(1000)]
+        # Each reply lists every task registered: ~200 kB, and it never reads one.
         bad.raw(request("register_tasks", "big", tasks=many)
-                + b"".join(request("register_tasks", f"again-{i}", tasks=[]) for i in range(20)))
+                + b"".join(request("register_tasks", f"again-{i}", tasks=[]) for i in range(40)))
         wait_until(lambda: server.connections() == 0, "the deaf executor dropped", 15)
         given_back(sql_conn, victim)
     serves(client, server, sql_conn)

@@ -77,6 +77,12 @@ IDLE_WAIT = 0.5
 #: read and keeps looking every BUSY_WAIT for this long (jobs that arrive
 #: soon after others are picked up at once), as the thread producers do.
 HOT_WINDOW = 0.25
+#: Connections that have not said hello yet, at most: each holds a thread
+#: until its hello or ``hello_timeout``; more are closed as they come.
+MAX_WAITING = 64
+#: Tasks one connection may register (the ``ok`` reply lists them all, and
+#: must fit in a frame: 1024 names of 255 bytes do).
+MAX_TASKS = 1024
 #: How long the ``belay_queues`` rows read by a round are reused.
 SPECS_TTL = 1.0
 #: How long it sleeps between rounds that found work.
@@ -283,6 +289,10 @@ class ExecutorServer:
                 if service.stopping:
                     return
                 raise
+            with self._lock:
+                waiting = sum(1 for c in self._connections.values() if not c.runtime_id)
+            if _shed(sock, waiting):
+                continue
             sock.settimeout(self.hello_timeout)
             connection = _Connection(sock, next(self._numbers))
             with self._lock:
@@ -501,6 +511,17 @@ class ExecutorServer:
         return 1
 
 
+def _shed(sock: socket.socket, waiting: int) -> bool:
+    """Close a new connection when :data:`MAX_WAITING` others are still to say
+    hello; True when it was."""
+    if waiting < MAX_WAITING:
+        return False
+    log.warning("belay: %d executor connections have not said hello; closing a new one",
+                waiting)
+    sock.close()
+    return True
+
+
 def execute_frame(execution_id: str, reservation_id: str, job: Job, timeout_ms: int | None,
                   lease_ttl: float) -> dict[str, Any]:
     """The ``execute`` message for a claimed job."""
@@ -582,6 +603,9 @@ class _Requests:
                                     "without NUL)")
             with self.server._lock:
                 if kind == "register_tasks":
+                    if len(connection.tasks | set(tasks)) > MAX_TASKS:
+                        raise ReportRefused(f"a connection registers at most {MAX_TASKS} "
+                                            "tasks; open another connection for more")
                     connection.tasks.update(tasks)
                 else:
                     connection.tasks.difference_update(tasks)
