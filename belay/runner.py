@@ -83,8 +83,10 @@ def _signals(grace: float) -> Iterator[threading.Event]:
         if requested.is_set():
             log.warning("second signal: exiting at once")
             os._exit(1)
-        log.info("signal %d: stopping (grace %.1fs)", signum, grace)
+        # Set before the log line: a second signal can run this handler again
+        # while the first is still writing it, and must find it set.
         requested.set()
+        log.info("signal %d: stopping (grace %.1fs)", signum, grace)
 
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
