@@ -274,6 +274,14 @@ def client(db_url: str, direct_url: str, clock: ManualClock) -> Iterator[belay.B
 
 
 @pytest.fixture
+def real_client(db_url: str) -> Iterator[belay.Belay]:
+    """A client on the wall clock, like a worker or server in another process
+    (the ``client`` fixture's clock is manual)."""
+    with belay.Belay(db_url) as instance:
+        yield instance
+
+
+@pytest.fixture
 def sql_conn(direct_url: str) -> Iterator[psycopg.Connection[Any]]:
     """A plain autocommit connection to the test database, for raw SQL."""
     with psycopg.connect(direct_url, autocommit=True) as conn:

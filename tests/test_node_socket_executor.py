@@ -70,13 +70,6 @@ def worker(db_url: str, sock_path: Path) -> Iterator[Proc]:
         proc.stop(signal.SIGTERM)
 
 
-@pytest.fixture
-def real_client(db_url: str) -> Iterator[belay.Belay]:
-    """A client on the wall clock, like the worker's (the ``client`` fixture's is manual)."""
-    with belay.Belay(db_url) as instance:
-        yield instance
-
-
 def start_executor(path: Path, name: str, *, max_concurrency: int = 4, wait: bool = True,
                    **env: str) -> Proc:
     """``node socket_executor.js PATH``; by default, once it registered its tasks."""

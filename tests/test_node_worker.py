@@ -47,13 +47,6 @@ def server(db_url: str) -> Iterator[str]:
         proc.stop(signal.SIGTERM)
 
 
-@pytest.fixture
-def real_client(db_url: str) -> Iterator[belay.Belay]:
-    """A client on the wall clock, like the server's (the ``client`` fixture's is manual)."""
-    with belay.Belay(db_url) as instance:
-        yield instance
-
-
 def start_worker(base: str, name: str) -> Proc:
     assert NODE is not None
     env = {**os.environ, "BELAY_HTTP_URL": base, "BELAY_QUEUE": "default",
