@@ -90,14 +90,80 @@ _ROW_FIELDS = (
 )
 
 
-def insert_jobs(conn: Conn, rows: Sequence[Row], now: datetime) -> list[Job]:
-    """§5.1: insert, skipping conflicts; returns the inserted jobs in input order."""
+def insert_jobs(
+    conn: Conn, rows: Sequence[Row], now: datetime, *, channel: str | None = None
+) -> list[Job]:
+    """§5.1: insert, skipping conflicts; returns the inserted jobs in input order.
+    With a ``channel``, the statement also pokes each inserted job's queue there
+    (§9.2), sent when its transaction commits."""
+    if len(rows) == 1:
+        row = rows[0]
+        with conn.cursor() as cur:
+            _run(cur, "insert_job", {**row._asdict(), "now": now, "channel": channel})
+            found = cur.fetchone()
+        return [] if found is None else [new_job(found[0], row, now)]
     params: dict[str, Any] = {name: [getattr(r, name) for r in rows] for name in _ROW_FIELDS}
     params["now"] = now
+    params["channel"] = channel
     inserted = [Job.from_row(r) for r in _rows(conn, "insert_jobs", params)]
     # ids are drawn in input order (the statement orders by ordinality).
     inserted.sort(key=lambda job: job.id)
     return inserted
+
+
+def conflict_free(rows: Sequence[Row]) -> bool:
+    """True when no row carries a unique key or cron slot: then none can be
+    skipped on conflict, and :func:`copy_jobs` may write the batch."""
+    return all(row.unique_key is None and row.cron_name is None for row in rows)
+
+
+def copy_jobs(conn: Conn, rows: Sequence[Row], now: datetime) -> list[Job]:
+    """§5.1 for a batch that cannot conflict (:func:`conflict_free`): ids drawn
+    in input order, then one COPY. Two round trips whatever the size, to be run
+    in a transaction; the jobs returned are built from the rows, not read back."""
+    try:
+        with conn.cursor() as cur:
+            ids = [row[0] for row in cur.execute(QUERIES["draw_job_ids"], (len(rows),))]
+            with cur.copy(QUERIES["copy_jobs"]) as copy:
+                write = copy.write_row
+                for job_id, row in zip(ids, rows, strict=True):
+                    write((job_id, row.kind, row.queue, row.state, row.input, row.meta,
+                           row.priority, 0, row.max_attempts, row.partition_key, row.ready_at,
+                           row.workflow_id, row.wf_name, _copy_array(row.wf_deps),
+                           _copy_array(row.wf_ignore), row.parent_id, row.budget_usd_micros,
+                           row.budget_tokens, 0, 0, "[]", False, now))
+    except psycopg.Error as exc:
+        translated = pooler_error(exc)
+        if translated is None:
+            raise
+        raise translated from exc
+    return [new_job(job_id, row, now) for job_id, row in zip(ids, rows, strict=True)]
+
+
+def _copy_array(encoded: str) -> str | list[str]:
+    # COPY's text form of the empty array, without the array dumper.
+    return "{}" if encoded == "[]" else list(loads(encoded))
+
+
+def _text_array(encoded: str) -> list[str]:
+    return [] if encoded == "[]" else list(loads(encoded))
+
+
+def new_job(job_id: int, row: Row, now: datetime) -> Job:
+    """The job a newly inserted row became, without reading it back: every
+    column is the row's value or its fixed starting value."""
+    return Job.trusted({
+        "id": job_id, "kind": row.kind, "queue": row.queue, "state": row.state,
+        "input": loads(row.input), "meta": {} if row.meta == "{}" else loads(row.meta),
+        "priority": row.priority, "max_attempts": row.max_attempts,
+        "partition_key": row.partition_key, "ready_at": row.ready_at,
+        "workflow_id": row.workflow_id, "wf_name": row.wf_name,
+        "wf_deps": _text_array(row.wf_deps), "wf_ignore": _text_array(row.wf_ignore),
+        "cron_name": row.cron_name, "cron_slot": row.cron_slot, "unique_key": row.unique_key,
+        "unique_mode": row.unique_mode, "parent_id": row.parent_id,
+        "budget_usd_micros": row.budget_usd_micros, "budget_tokens": row.budget_tokens,
+        "errors": [], "inserted_at": now,
+    })
 
 
 def holders_by_unique_key(conn: Conn, keys: Iterable[str]) -> dict[tuple[str, bool], Job]:
