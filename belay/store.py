@@ -81,6 +81,13 @@ def lock(conn: Conn, key: str) -> None:
     _execute(conn, "advisory_xact_lock", (key,))
 
 
+def lock_all(conn: Conn, keys: Iterable[str]) -> None:
+    """Take several transaction-scoped advisory locks, in sorted order."""
+    ordered = sorted(set(keys))
+    if ordered:
+        _execute(conn, "advisory_xact_locks", (ordered,))
+
+
 # -- Enqueue -------------------------------------------------------------------
 
 _ROW_FIELDS = (
@@ -325,6 +332,20 @@ def deliver_signal(
     return [(r["id"], r["queue"]) for r in woken]
 
 
+def deliver_signals(
+    conn: Conn, scopes: Iterable[str], name: str, payload_json: str, now: datetime
+) -> list[tuple[int, str]]:
+    """:func:`deliver_signal` to several scopes in three statements, the scope
+    locks taken in sorted order. Atomic: run inside a transaction."""
+    distinct = sorted(set(scopes))
+    if not distinct:
+        return []
+    lock_all(conn, [names.signal_lock(scope) for scope in distinct])
+    params = {"scopes": distinct, "name": name, "payload": payload_json, "now": now}
+    _execute(conn, "upsert_signals", params)
+    return [(r["id"], r["queue"]) for r in _rows(conn, "wake_awaiting_many", params)]
+
+
 def clear_signal(conn: Conn, scope: str, name: str) -> bool:
     return _execute(conn, "delete_signal", (scope, name)) > 0
 
@@ -346,11 +367,26 @@ def settle_workflow(conn: Conn, workflow_id: str, now: datetime) -> tuple[
     """§8.3 under the workflow lock (taking it again when held is harmless);
     returns the released and doomed rows."""
     lock(conn, names.workflow_lock(workflow_id))
-    members = [
-        Member(r["id"], r["wf_name"], r["state"], r["wf_deps"] or (), r["wf_ignore"] or ())
-        for r in _rows(conn, "workflow_members", (workflow_id,))
-    ]
-    release_ids, doom_ids = settle(members)
+    return settle_workflows(conn, [workflow_id], now)
+
+
+def settle_workflows(conn: Conn, workflow_ids: Sequence[str], now: datetime) -> tuple[
+    list[dict[str, Any]], list[dict[str, Any]]
+]:
+    """§8.3 for several workflows, whose locks the caller holds: one read of
+    their members, each settled on its own, one write of each kind."""
+    if not workflow_ids:
+        return [], []
+    by_workflow: dict[str, list[Member]] = {}
+    for r in _rows(conn, "workflow_members_many", (list(workflow_ids),)):
+        by_workflow.setdefault(r["workflow_id"], []).append(
+            Member(r["id"], r["wf_name"], r["state"], r["wf_deps"] or (), r["wf_ignore"] or ()))
+    release_ids: list[int] = []
+    doom_ids: list[int] = []
+    for members in by_workflow.values():
+        releases, dooms = settle(members)
+        release_ids += releases
+        doom_ids += dooms
     released = _rows(conn, "settle_release", (now, release_ids)) if release_ids else []
     doomed = _rows(conn, "settle_doom", (now, doom_ids)) if doom_ids else []
     return released, doomed
@@ -647,6 +683,29 @@ def ack_succeeded_many(
         "channel": channel,
     })
     return {r["id"] for r in found}
+
+
+def ack_succeeded_settling(
+    conn: Conn, acks: Sequence[tuple[Job, bytes | None]], now: datetime,
+    channel: str | None = None,
+) -> tuple[set[int], Settled]:
+    """:func:`ack_succeeded_many` for any successes, workflow members and
+    children included, with §7's after-terminal effects for the batch: each
+    workflow settled once, each parent sent ``$children`` once (as many single
+    acks would leave them). Atomic: run inside a transaction. Lock order as
+    everywhere: workflow locks (sorted), job rows (id order), signal scopes
+    (sorted)."""
+    lock_all(conn, [names.workflow_lock(job.workflow_id) for job, _ in acks
+                    if job.workflow_id is not None])
+    acked = ack_succeeded_many(conn, acks, now, channel)
+    done = [job for job, _ in acks if job.id in acked]
+    released, doomed = settle_workflows(
+        conn, sorted({job.workflow_id for job in done if job.workflow_id is not None}), now)
+    parents = {job.parent_id for job in done} | {r["parent_id"] for r in doomed}
+    ready = [(r["id"], r["queue"]) for r in released]
+    ready += deliver_signals(conn, [names.job_scope(p) for p in parents if p is not None],
+                             names.CHILDREN, "{}", now)
+    return acked, Settled(ready=ready, cancelled=[r["id"] for r in doomed])
 
 
 def expired_leases(conn: Conn, now: datetime, limit: int) -> list[int]:

@@ -1,8 +1,9 @@
 """Batched acks (docs/contract.md §7, where belay differs): many successes in one
 statement, each row fenced on its own claimed attempt, equal to N single acks.
 
-Only jobs whose terminal write settles nothing (no workflow, no parent) are
-batched; the rest keep the single ack with its settlement. A running worker
+Jobs whose terminal write settles nothing (no workflow, no parent) are
+batched in one statement; a batch with workflow members or children is one
+transaction that also settles each workflow and tells each parent. A running worker
 acks its executors' successes through the ``belay-acker`` thread; ``stop()``
 acks whatever is pending before the pool closes.
 """
@@ -15,10 +16,10 @@ from datetime import timedelta
 from typing import Any
 
 import belay
-from belay import store
+from belay import names, store
 from belay.context import Execution
 from belay.job import Job
-from tests.helpers import START, Ends, job_row, running_job
+from tests.helpers import START, Ends, insert_job, job_row, running_job
 from tests.test_worker import make_worker, running
 
 COMPARED = ("state", "result", "finished_at", "lease_until", "leased_by", "attempt", "errors")
@@ -117,7 +118,7 @@ def test_a_running_worker_acks_successes_in_batches(client, sql_conn, monkeypatc
         assert client.get_job(job.id).result == {"n": job.input["n"]}
 
 
-def test_workflow_members_and_children_keep_the_single_ack_with_settlement(
+def test_workflow_members_and_children_are_batched_with_settlement(
     client, monkeypatch
 ) -> None:
     batches = _Batches(monkeypatch)
@@ -142,10 +143,105 @@ def test_workflow_members_and_children_keep_the_single_ack_with_settlement(
             assert client.await_result(member.id, timeout=10) == "done"
     children = client.list_jobs(parent_id=boss.id)
     assert len(children) == 2
+    # Each success went through the acker, and each settled what it had to:
+    # b ran after a, the parent woke for its children's results.
     settling = {m.id for m in members.values()} | {c.id for c in children}
-    assert not batches.ids & settling
-    # The parent itself is in no workflow and has no parent: batched.
-    assert boss.id in batches.ids
+    assert settling | {boss.id} <= batches.ids
+
+
+def _settling_scenario(conn: Any, tag: str) -> dict[str, int]:
+    """Two workflows and two parents, each with running jobs whose successes
+    settle something: held members wait on them, parents await $children."""
+    ids: dict[str, int] = {}
+    for w in ("w1", "w2"):
+        flow = f"{tag}-{w}"
+        for name in ("a", "b"):
+            ids[f"{w}.{name}"] = running_job(conn, workflow_id=flow, wf_name=name)
+        ids[f"{w}.c"] = insert_job(conn, state="held", workflow_id=flow, wf_name="c",
+                                   wf_deps=["a"])
+        ids[f"{w}.d"] = insert_job(conn, state="held", workflow_id=flow, wf_name="d",
+                                   wf_deps=["a", "b"])
+    for p in ("p1", "p2"):
+        ids[p] = insert_job(conn, state="awaiting", await_name=names.CHILDREN)
+        conn.execute("UPDATE belay_jobs SET await_scope = %s WHERE id = %s",
+                     (names.job_scope(ids[p]), ids[p]))
+        for k in ("k1", "k2"):
+            ids[f"{p}.{k}"] = running_job(conn, parent_id=ids[p])
+    return ids
+
+
+def _picture(conn: Any, ids: dict[str, int]) -> dict[str, Any]:
+    rows = {label: job_row(conn, job_id) for label, job_id in ids.items()}
+    signals = {scope: name for scope, name in conn.execute(
+        "SELECT scope, name FROM belay_signals WHERE scope = ANY(%s)",
+        ([names.job_scope(ids[p]) for p in ("p1", "p2")],)).fetchall()}
+    return {
+        "rows": {label: {c: row[c] for c in (*COMPARED, "ready_at", "await_scope")}
+                 for label, row in rows.items()},
+        "signalled": sorted(label for label in ("p1", "p2")
+                            if signals.get(names.job_scope(ids[label])) == names.CHILDREN),
+    }
+
+
+def test_a_settling_batch_equals_single_acks(sql_conn) -> None:
+    """Members of two workflows and children of two parents in one batch
+    leave every row and signal as single acks (each with its settlement) do."""
+    batched, single = _settling_scenario(sql_conn, "batch"), _settling_scenario(sql_conn, "one")
+    finishing = [label for label in batched if label.count(".") == 1
+                 and label.split(".")[1] in ("a", "b", "k1", "k2")]
+    acks = [(_claimed(sql_conn, batched[label]), b'"ok"') for label in finishing]
+    with sql_conn.transaction():
+        acked, settled = store.ack_succeeded_settling(sql_conn, acks, START)
+    assert acked == {batched[label] for label in finishing}
+    for label in finishing:
+        with sql_conn.transaction():
+            assert store.ack(sql_conn, _claimed(sql_conn, single[label]), "succeeded", START,
+                             result=b'"ok"') is not None
+
+    assert _picture(sql_conn, batched) == _picture(sql_conn, single)
+    after = _picture(sql_conn, batched)
+    assert {label for label, row in after["rows"].items() if row["state"] == "ready"} == {
+        "w1.c", "w1.d", "w2.c", "w2.d", "p1", "p2"}
+    assert after["signalled"] == ["p1", "p2"]
+    assert sorted(settled.ready) == sorted(
+        (batched[label], "default") for label in ("w1.c", "w1.d", "w2.c", "w2.d", "p1", "p2"))
+
+
+def test_racing_settling_batches_neither_deadlock_nor_lose_a_release(direct_url) -> None:
+    """Two threads ack, in batches, the members of the same workflows in
+    opposite orders (the locks are taken sorted): every workflow settles."""
+    import psycopg
+
+    flows = 20
+    with psycopg.connect(direct_url, autocommit=True) as setup:
+        members = {f: [running_job(setup, workflow_id=f"race-{f}", wf_name=n) for n in "ab"]
+                   for f in range(flows)}
+        held = [insert_job(setup, state="held", workflow_id=f"race-{f}", wf_name="c",
+                           wf_deps=["a", "b"]) for f in range(flows)]
+        claims = {f: [_claimed(setup, i) for i in ids] for f, ids in members.items()}
+    gate = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def acker(which: int) -> None:
+        try:
+            with psycopg.connect(direct_url, autocommit=True) as conn:
+                order = list(range(flows)) if which == 0 else list(reversed(range(flows)))
+                gate.wait()
+                for start in range(0, flows, 5):
+                    batch = [(claims[f][which], None) for f in order[start:start + 5]]
+                    with conn.transaction():
+                        store.ack_succeeded_settling(conn, batch, START)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=acker, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    with psycopg.connect(direct_url, autocommit=True) as check:
+        assert [job_row(check, i)["state"] for i in held] == ["ready"] * flows
 
 
 def test_a_stale_batched_ack_is_discarded_and_reported(client, sql_conn) -> None:

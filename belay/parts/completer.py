@@ -6,9 +6,11 @@ stale attempt (reclaimed meanwhile) writes nothing.
 
 :class:`Completer` is the Python worker's: inline acks retried when the
 database blinks, parks (§7 park-and-wake), and the batched acker
-(deliberate difference 2) — successes that settle nothing wait in a queue,
-and ``belay-acker`` acks every one waiting in one statement, each row fenced
-on its own attempt. No timer: a lone success is acked at once.
+(deliberate difference 2) — successes wait in a queue, and ``belay-acker``
+acks every one waiting in one statement, each row fenced on its own attempt
+(with workflow members or children among them, in one transaction that also
+settles each workflow once and tells each parent once). No timer: a lone
+success is acked at once.
 """
 
 from __future__ import annotations
@@ -189,6 +191,23 @@ class Completer:
         """The worker is going: a retry of an ack waits no more."""
         self._halted.set()
 
+    def _settling(self, conn: psycopg.Connection[Any], rows: list[tuple[Job, bytes | None]],
+                  channel: str | None) -> set[int]:
+        """A batch with workflow members or children: acked, settled and its
+        parents told in one transaction, with what that woke announced."""
+        with conn.transaction():
+            acked, settled = store.ack_succeeded_settling(conn, rows, self._now(), channel)
+            self.announce_settled(conn, settled)
+        return acked
+
+    def announce_settled(self, conn: psycopg.Connection[Any], settled: store.Settled) -> None:
+        """Inside the transaction that settled: poke the queues of the jobs it
+        readied and announce the results of the members it doomed (§9.2)."""
+        if self.notify:
+            store.notify(conn, self._pools.channel,
+                         [store.poke_payload(q) for q in {q for _, q in settled.ready}]
+                         + [store.result_payload(i) for i in settled.cancelled])
+
     def _loop(self, service: Service) -> None:
         """Take every success waiting — one, or as many as piled up while the
         last batch was in flight — and ack them in one statement."""
@@ -221,9 +240,13 @@ class Completer:
     def _ack_batch(self, batch: list[PendingAck]) -> None:
         rows = [(p.execution.job, p.result) for p in batch]
         channel = self._pools.channel if self.notify else None
-        done, acked = self.write(
-            f"batched ack of {len(batch)} jobs",
-            lambda conn: store.ack_succeeded_many(conn, rows, self._now(), channel))
+        if all(store.batchable(job) for job, _ in rows):
+            done, acked = self.write(
+                f"batched ack of {len(batch)} jobs",
+                lambda conn: store.ack_succeeded_many(conn, rows, self._now(), channel))
+        else:
+            done, acked = self.write(f"batched ack of {len(batch)} jobs",
+                                     lambda conn: self._settling(conn, rows, channel))
         for pending in batch:
             job = pending.execution.job
             kind = "succeeded" if acked is not None and job.id in acked else "stale"

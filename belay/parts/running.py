@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from belay import store
 from belay.client import Belay
 from belay.context import _CURRENT, Context, Park
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
@@ -263,7 +262,7 @@ class JobRunner:
             outcome = decide(returned=returned, raised=raised, attempt=job.attempt,
                              max_attempts=job.max_attempts, now=self._now(),
                              backoff=definition.backoff)
-        if (outcome.kind == "succeeded" and store.batchable(job) and self._may_batch()
+        if (outcome.kind == "succeeded" and self._may_batch()
                 and self.completer.defer(PendingAck(execution, outcome.result, duration))):
             return "succeeded"
         acked = self.completer.ack(job, outcome)

@@ -16,6 +16,13 @@ inserted_at, started_at, finished_at
 -- Keys are built by belay.locks so every lock name has one spelling.
 SELECT pg_advisory_xact_lock(hashtext(%s));
 
+-- name: advisory_xact_locks
+-- Several locks in the caller's order (callers sort the keys, so two
+-- transactions taking overlapping sets never wait on each other in a cycle).
+SELECT pg_advisory_xact_lock(hashtext(k))
+FROM unnest(%s::text[]) WITH ORDINALITY AS l(k, ord)
+ORDER BY ord;
+
 -- name: advisory_try_xact_lock
 -- Taken without waiting, held until the transaction ends: the guard around
 -- LangGraph's PostgresSaver.setup(), which can't itself run inside a
@@ -337,6 +344,20 @@ VALUES (%s, %s, %s::jsonb, %s)
 ON CONFLICT (scope, name) DO UPDATE
   SET payload = EXCLUDED.payload, inserted_at = EXCLUDED.inserted_at;
 
+-- name: upsert_signals
+-- upsert_signal for several scopes at once, one name and payload (a batched
+-- ack's $children to each parent). The scopes must be distinct.
+INSERT INTO belay_signals (scope, name, payload, inserted_at)
+SELECT s, %(name)s, %(payload)s::jsonb, %(now)s FROM unnest(%(scopes)s::text[]) AS s
+ON CONFLICT (scope, name) DO UPDATE
+  SET payload = EXCLUDED.payload, inserted_at = EXCLUDED.inserted_at;
+
+-- name: wake_awaiting_many
+UPDATE belay_jobs
+SET state = 'ready', ready_at = %(now)s, await_scope = NULL, await_name = NULL
+WHERE state = 'awaiting' AND await_scope = ANY(%(scopes)s::text[]) AND await_name = %(name)s
+RETURNING id, queue;
+
 -- name: wake_awaiting
 UPDATE belay_jobs
 SET state = 'ready', ready_at = %(now)s, await_scope = NULL, await_name = NULL
@@ -373,10 +394,11 @@ SET state = %(target)s, ready_at = %(now)s, cancel_requested = false,
 WHERE id = %(id)s AND state IN ('failed', 'cancelled')
 RETURNING {job_columns};
 
--- name: workflow_members
--- The settle input: every member's name, state and dependency lists.
-SELECT id, wf_name, state, wf_deps, wf_ignore, parent_id, queue
-FROM belay_jobs WHERE workflow_id = %s;
+-- name: workflow_members_many
+-- The settle input of each workflow: every member's name, state and
+-- dependency lists (several workflows at once for a batched ack).
+SELECT workflow_id, id, wf_name, state, wf_deps, wf_ignore, parent_id, queue
+FROM belay_jobs WHERE workflow_id = ANY(%s::text[]);
 
 -- name: settle_release
 UPDATE belay_jobs SET state = 'ready', ready_at = %s
