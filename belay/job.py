@@ -7,7 +7,7 @@ not know is ignored (contract §1: changes within a major are additive).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
@@ -84,6 +84,37 @@ class Job:
         job = object.__new__(cls)
         job.__dict__.update(fields)
         return job
+
+    @classmethod
+    def from_columns(cls, names: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[Job]:
+        """Jobs from tuple rows with these column names (a claim's): what
+        :meth:`from_row` makes of each, without a dict per row. Columns this
+        version does not know are left out; a NULL keeps the field's default."""
+        keep = [(i, "result_envelope" if name == "result" else name)
+                for i, name in enumerate(names) if name in _FIELDS or name == "result"]
+        if {"id", "kind", "queue", "state"} - {name for _, name in keep}:
+            raise KeyError(f"job rows need the columns id, kind, queue and state: {names}")
+        plain = len(keep) == len(names)
+        fields = [name for _, name in keep]
+        # Fields a NULL must not overwrite: those whose default is not None.
+        guarded = [name for name in fields if name in _FRESH or _DEFAULTS.get(name) is not None]
+        missing = [name for name in _FRESH if name not in fields]
+        jobs = []
+        for row in rows:
+            job = object.__new__(cls)
+            state = job.__dict__
+            state.update(_DEFAULTS)
+            state.update(zip(fields, row if plain else [row[i] for i, _ in keep], strict=True))
+            for name in guarded:
+                if state[name] is None:
+                    state[name] = _FRESH[name]() if name in _FRESH else _DEFAULTS[name]
+            for name in missing:
+                state[name] = _FRESH[name]()
+            envelope = state["result_envelope"]
+            if envelope is not None and type(envelope) is not bytes:
+                state["result_envelope"] = bytes(envelope)
+            jobs.append(job)
+        return jobs
 
     @classmethod
     def trusted(cls, fields: Mapping[str, Any]) -> Job:

@@ -9,6 +9,7 @@ outcome is written per attempt.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,30 @@ ACKED, LOST, TIMEOUT = "acked", "lost", "timeout"
 
 #: What each ending is called in a message to a person.
 ENDINGS = {ACKED: "was acked", LOST: "lost its lease", TIMEOUT: "timed out"}
+
+
+class Flag:
+    """A one-way event: ``set`` once (again is harmless), ``wait`` with a
+    timeout. One lock, made in a C call, where ``threading.Event`` builds a
+    Condition and a lock in Python: every claimed job makes one."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already set
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once set; False when ``timeout`` seconds passed first."""
+        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            with contextlib.suppress(RuntimeError):  # a second set() released it
+                self._lock.release()
+            return True
+        return False
 
 
 class Execution:
@@ -53,7 +78,7 @@ class Execution:
         self._lock = threading.Lock()
         self._ended: str | None = None
         #: Set when the thread running it returns (its slot is free again).
-        self.done = threading.Event()
+        self.done = Flag()
         #: The ident of the thread running it, once one does.
         self.thread: int | None = None
         #: The control-flow exception (park, sleep, budget, cancel…) this job's

@@ -100,6 +100,8 @@ class Hooks:
                 exception: BaseException | None) -> None:
         log.info("job %d %s queue=%s %s attempt=%d in %.3fs", job.id, job.kind, job.queue,
                  outcome, job.attempt, duration)
+        if not self.end:
+            return
         event = JobEnd(job, outcome, duration, error, exception)
         for hook in self.end:
             try:

@@ -1,7 +1,8 @@
 """Producers: claiming work for the queues this node serves (§6, §9.1).
 
 One :class:`Producer` per queue, each a ``belay-producer-<queue>`` service:
-it claims up to the queue's free slots, polls adaptively (``busy_poll``
+it claims up to the queue's free slots (plain queues together: one
+statement claims for every plain queue of the node that wants work), polls adaptively (``busy_poll``
 while claims return work, doubling to ``poll_interval``) and is woken early
 by a freed slot or a poke; once a claim at ``poll_interval`` finds nothing,
 the queue is idle and waits for ``belay-poller``, which asks in one read per
@@ -73,6 +74,8 @@ class Producer:
         self.inflight = 0
         #: Set when the queue left the configuration: the producer exits.
         self.retired = False
+        #: When a claim last brought this queue jobs (its own, or another's).
+        self.last_hit = 0.0
         #: Chunk workers' claimed jobs by kind, and when each buffer must go.
         self.buffers: dict[str, list[Execution]] = {}
         self.gather_until: dict[str, float] = {}
@@ -91,11 +94,14 @@ class Producer:
         low = spec.limit_min if spec.limit_min is not None else spec.limit
         self.limit = max(low, min(spec.limit, self.limit))
 
+    def hit(self) -> None:
+        """Another queue's claim brought this one jobs: it is hot (§9.1)."""
+        self.last_hit = time.monotonic()
+
     def run(self, service: Service) -> None:
         """The producer's loop."""
         p = self._set
         interval = p.busy_poll
-        last_hit = 0.0
         while not service.stopping and not self.retired:
             claimed = demand = 0
             try:
@@ -114,8 +120,8 @@ class Producer:
             # poller be stuck).
             idle = demand > 0 and not claimed and interval >= p.poll_interval
             if claimed:
-                last_hit = time.monotonic()
-            hot = time.monotonic() - last_hit < HOT_WINDOW
+                self.last_hit = time.monotonic()
+            hot = time.monotonic() - self.last_hit < HOT_WINDOW
             interval = p.busy_poll if hot else min(interval * 2, p.poll_interval)
             wait = interval * IDLE_BACKSTOP if idle else interval
             with p.lock:
@@ -131,17 +137,38 @@ class Producer:
         # gathering hold claimed jobs under renewed leases; they run now.
         self.flush(everything=True)
 
+    @property
+    def joins(self) -> bool:
+        """Whether this queue's claims may be made together with other
+        queues' (:meth:`Producers.claim_together`): plain queues with a fixed
+        limit. Admission takes a lock per queue; an adaptive limit adapts
+        to its own claims."""
+        return not self.spec.admitted and self.spec.limit_min is None
+
     def claim(self, demand: int) -> int:
         p = self._set
         kinds = None if p.kinds is None else p.kinds()
         if kinds == []:
             return 0
+        if self.joins:
+            return p.claim_together(self, demand, kinds)
         with p.connection() as conn:
             jobs = claim_jobs(conn, self.spec, demand, p.node_id, p.now, p.lease_ttl,
                               kinds=kinds)
+        with p.lock:
+            self.inflight += len(jobs)
+        self.take(jobs)
+        return len(jobs)
+
+    def take(self, jobs: list[Job]) -> None:
+        """Start (or gather, for a chunk worker) jobs claimed for this queue,
+        whose slots are already counted in ``inflight``."""
+        p = self._set
         for job in jobs:
             definition = p.registry.get(job.kind)
             if definition is None:
+                with p.lock:
+                    self.inflight -= 1
                 p.return_unknown(job)
                 continue
             # A chunk job's timeout starts when its chunk does, not while it gathers.
@@ -149,13 +176,11 @@ class Producer:
             execution = Execution(job, definition, timeout)
             execution.owner = self
             p.hold(execution)
-            with p.lock:
-                self.inflight += 1
-                if definition.chunk is not None:
+            if definition.chunk is not None:
+                with p.lock:
                     self._buffer(execution, definition.chunk)
-                    continue
+                continue
             p.submit(execution)
-        return len(jobs)
 
     def adapt(self, claimed: int, demand: int) -> None:
         spec = self.spec
@@ -239,6 +264,50 @@ class Producers:
         self.paused_here: set[str] = set()
         self._closed = False
         self.poller = Service("belay-poller", self.poll_idle, on_crash=on_crash)
+
+    def claim_together(self, first: Producer, demand: int, kinds: list[str] | None) -> int:
+        """One claim statement for ``first`` (up to ``demand``) and every other
+        joining queue that wants work now: free slots, not paused, not idle
+        (an idle queue waits for the poller's word). Their slots are taken
+        before the claim, so two producers never claim the same slot, and
+        handed back when the claim brings fewer jobs. Returns ``first``'s
+        count (each other producer is woken when its queue got jobs)."""
+        with self.lock:
+            # ``first``'s free slots again: another claim may have taken some.
+            takes = {first: min(demand, first.limit - first.inflight)}
+            for q in self.live.values():
+                if (q is first or not q.joins or q.retired or q in self.idle
+                        or q.spec.paused or q.name in self.paused_here):
+                    continue
+                takes[q] = q.limit - q.inflight
+            takes = {q: take for q, take in takes.items() if take > 0}
+            if not takes:
+                return 0
+            for q, take in takes.items():
+                q.inflight += take
+        jobs: list[Job] = []
+        try:
+            with self.connection() as conn:
+                at = self.now()
+                jobs = store.claim_queues(
+                    conn, {q.name: take for q, take in takes.items()}, self.node_id, at,
+                    at + timedelta(seconds=self.lease_ttl), kinds=kinds)
+        finally:
+            by_queue: dict[str, list[Job]] = {}
+            for job in jobs:
+                by_queue.setdefault(job.queue, []).append(job)
+            with self.lock:
+                for q, take in takes.items():
+                    q.inflight -= take - len(by_queue.get(q.name, ()))
+        for q in takes:
+            mine = by_queue.get(q.name)
+            if mine:
+                q.take(mine)
+                if q is not first:
+                    q.hit()
+                    if q.buffers:
+                        q.wake()  # its loop times the chunk's gather
+        return len(by_queue.get(first.name, ()))
 
     def demand(self, q: Producer) -> int:
         with self.lock:

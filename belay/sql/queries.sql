@@ -432,6 +432,52 @@ SET state = 'ready', ready_at = %(now)s, await_scope = NULL, await_name = NULL,
     attempt = attempt - 1, lease_until = NULL, leased_by = NULL
 WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s;
 
+-- name: claim_queues
+-- The plain claim for several queues in one statement (one round trip, one
+-- commit), up to its own take for each: a node serving many queues claims
+-- for every queue that wants work when one of them does, instead of one
+-- claim (and commit) per queue. Per queue, the same two candidate sets as
+-- claim, read off the same index through a LATERAL join; the merge keeps
+-- each queue's first ``take`` in claim order.
+WITH want AS (
+  SELECT * FROM unnest(%(queues)s::text[], %(takes)s::int[]) AS w(queue, take)
+), ready AS (
+  SELECT c.id, c.priority, c.ready_at, w.queue, w.take FROM want AS w
+  CROSS JOIN LATERAL (
+    SELECT id, priority, ready_at FROM belay_jobs
+    WHERE queue = w.queue AND state = 'ready'
+      AND COALESCE(ready_at, '-infinity') <= %(now)s
+      AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
+    ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC
+    LIMIT w.take
+    FOR UPDATE SKIP LOCKED
+  ) AS c
+), due AS (
+  SELECT c.id, c.priority, c.ready_at, w.queue, w.take FROM want AS w
+  CROSS JOIN LATERAL (
+    SELECT id, priority, ready_at FROM belay_jobs
+    WHERE queue = w.queue AND state = 'awaiting' AND ready_at IS NOT NULL
+      AND ready_at <= %(now)s
+      AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
+    ORDER BY ready_at ASC
+    LIMIT w.take
+    FOR UPDATE SKIP LOCKED
+  ) AS c
+), picked AS (
+  SELECT id AS picked_id FROM (
+    SELECT id, take, row_number() OVER (
+      PARTITION BY queue ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC) AS n
+    FROM (SELECT * FROM ready UNION ALL SELECT * FROM due) AS candidates
+  ) AS ranked
+  WHERE n <= take
+)
+UPDATE belay_jobs AS j
+SET state = 'running', attempt = j.attempt + 1, lease_until = %(lease_until)s,
+    leased_by = %(node)s, started_at = COALESCE(j.started_at, %(now)s)
+FROM picked
+WHERE j.id = picked.picked_id
+RETURNING {job_columns};
+
 -- name: claim
 -- §6 plain claim in one statement (so one round trip, its own transaction).
 -- Two candidate sets, each locked with SKIP LOCKED and capped at the demand:
