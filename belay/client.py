@@ -924,26 +924,36 @@ class Belay:
                 wait = _bounded(interval, deadline)
                 if wait is None:
                     raise TimeoutError(f"job {job_id} is still {job.state} after {timeout} s")
-                pause(wait)
+                carried, result = pause(wait)
+                if carried:
+                    # The notification of its success carried the result (§9.2).
+                    return result
                 # A short ceiling: without notifications (or when one is
                 # missed) the result shows within 50 ms, at 20 reads/s at most.
                 interval = min(interval * 1.5, 0.05)
 
     @contextmanager
-    def _watching(self, job_id: int) -> Iterator[Callable[[float], None]]:
-        """A ``pause(seconds)`` that a notification about ``job_id`` cuts short.
+    def _watching(self, job_id: int) -> Iterator[Callable[[float], tuple[bool, Any]]]:
+        """A ``pause(seconds)`` that a notification about ``job_id`` cuts
+        short; it returns ``(True, result)`` when that notification said the
+        job succeeded and carried its result, else ``(False, None)``.
 
         Registered before the caller's first read, so a notification that lands
         in between is not missed."""
         listener = self._result_listener()
         if listener is None:
-            yield time.sleep
+            def sleep(seconds: float) -> tuple[bool, Any]:
+                time.sleep(seconds)
+                return False, None
+
+            yield sleep
             return
         wake = listener.watch(job_id)
 
-        def pause(seconds: float) -> None:
+        def pause(seconds: float) -> tuple[bool, Any]:
             wake.wait(seconds)
             wake.clear()
+            return wake.carried()
 
         try:
             yield pause

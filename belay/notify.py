@@ -9,6 +9,7 @@ lost or late message costs latency, never work.
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 from collections import defaultdict
@@ -18,7 +19,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from belay.codec import loads
+from belay.codec import decode_value, loads
 from belay.parts.service import Service
 from belay.sql import QUERIES
 
@@ -115,9 +116,9 @@ class ResultListener:
     def stop(self, timeout: float = 5.0) -> None:
         self._listener.stop(timeout)
 
-    def watch(self, job_id: int) -> threading.Event:
+    def watch(self, job_id: int) -> Wake:
         """Register before reading the job, so a notification in between is not missed."""
-        event = threading.Event()
+        event = Wake()
         with self._lock:
             self._waiters[job_id].add(event)
         return event
@@ -136,4 +137,31 @@ class ResultListener:
             return
         with self._lock:
             for event in self._waiters.get(job_id, ()):
+                if message.get("t") == "r" and isinstance(event, Wake):
+                    event.outcome = message
                 event.set()
+
+
+class Wake(threading.Event):
+    """A waiter's wake-up; ``outcome`` the last result notification (§9.2)
+    that set it, which may carry the finished job's state and result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outcome: dict[str, Any] | None = None
+
+    def carried(self) -> tuple[bool, Any]:
+        """``(True, result)`` when the notification says the job succeeded
+        and carries its result; ``(False, None)`` when the row must be read."""
+        outcome = self.outcome
+        if outcome is None or outcome.get("s") != "succeeded":
+            return False, None
+        if outcome.get("n") is True:
+            return True, None
+        encoded = outcome.get("v")
+        if not isinstance(encoded, str):
+            return False, None
+        try:
+            return True, decode_value(base64.b64decode(encoded, validate=True))
+        except (ValueError, TypeError):
+            return False, None

@@ -239,6 +239,47 @@ def test_a_job_finishing_during_the_wait_returns_its_result(
         assert dispatched == []
 
 
+@pytest.mark.parametrize(("result", "carried"), [
+    (b'{"done": true}', True),
+    (None, True),                          # "no result" is carried too
+    (b'"' + b"x" * 4000 + b'"', False),   # too large to carry: the row is read
+], ids=["small", "none", "large"])
+def test_a_batched_ack_notification_carries_the_result(
+    client, db_url, sql_conn, result, carried
+) -> None:
+    """The acker's notification (§9.2, belay's addition) carries a small
+    result: await_result returns it without reading the row again. To tell
+    the two apart, the row's result is overwritten in the ack's own
+    transaction, after the notification was queued with the acked one."""
+    job = insert_job(sql_conn, state="running", attempt=1, leased_by="node-a")
+    listener = client._result_listener()
+    assert listener.listening.wait(5)
+    waiter = Waiter(client, job)
+    wait_until(lambda: job in listener._waiters, "the waiter watches the job")
+    claimed = belay.Job.from_row(
+        {"id": job, "kind": "k", "queue": "default", "state": "running", "attempt": 1})
+    with psycopg.connect(db_url, autocommit=True) as conn, conn.transaction():
+        assert belay.store.ack_succeeded_many(conn, [(claimed, result)], START,
+                                              channel_for(conn.info.dbname)) == {job}
+        conn.execute("UPDATE belay_jobs SET result = %s WHERE id = %s", (b'"the row"', job))
+    if carried:
+        assert waiter.outcome() == (None if result is None else json.loads(result))
+    else:
+        assert waiter.outcome() == "the row"
+
+
+def test_a_notification_that_says_less_falls_back_to_the_row(client, db_url, sql_conn) -> None:
+    """A result notification without the state (another SDK's, or a failed
+    job's) only wakes the waiter, which reads the row."""
+    job = insert_job(sql_conn, state="running", attempt=1)
+    waiter = Waiter(client, job)
+    with psycopg.connect(db_url) as conn, conn.transaction():
+        conn.execute("UPDATE belay_jobs SET state = 'succeeded', result = %s WHERE id = %s",
+                     (b'"from the row"', job))
+        notify(conn, json.dumps({"t": "r", "id": job, "s": "succeeded", "v": "!!not base64"}))
+    assert waiter.outcome() == "from the row"
+
+
 def test_a_job_failing_during_the_wait_raises_job_failed(client, db_url, sql_conn) -> None:
     job = insert_job(sql_conn, state="running", attempt=1)
     waiter = Waiter(client, job)
