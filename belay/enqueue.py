@@ -70,7 +70,8 @@ _INTERNAL_FIELDS: Final = frozenset(
 
 class Row(NamedTuple):
     """The values one new ``belay_jobs`` row gets; JSON fields already serialized.
-    (A named tuple: a batch of 1,000 builds 1,000 of them.)"""
+    (A named tuple: a batch of 1,000 builds 1,000 of them.) The field order
+    is the parameter order of the ``insert_job`` statement."""
 
     kind: str
     queue: str

@@ -120,7 +120,7 @@ def insert_jobs(
     if len(rows) == 1:
         row = rows[0]
         with conn.cursor() as cur:
-            _run(cur, "insert_job", {**row._asdict(), "now": now, "channel": channel})
+            _run(cur, "insert_job", (*row, now, channel, channel))
             found = cur.fetchone()
         return [] if found is None else [new_job(found[0], row, now)]
     params: dict[str, Any] = {name: [getattr(r, name) for r in rows] for name in _ROW_FIELDS}

@@ -106,26 +106,27 @@ RETURNING {job_columns},
 -- insert_jobs for one row, with plain parameters: no arrays to build and
 -- dump on the client, which is most of a single enqueue's Python. Returns
 -- the id when inserted (the client knows every other column), nothing when
--- skipped on conflict; pokes like insert_jobs.
+-- skipped on conflict; pokes like insert_jobs. Positional parameters: the
+-- row's fields in order, then now, then the channel twice.
 INSERT INTO belay_jobs (
   kind, queue, state, input, meta, priority, attempt, max_attempts, partition_key,
   ready_at, workflow_id, wf_name, wf_deps, wf_ignore, cron_name, cron_slot,
   unique_key, unique_mode, parent_id, budget_usd_micros, budget_tokens,
   spent_usd_micros, spent_tokens, errors, cancel_requested, inserted_at
 ) VALUES (
-  %(kind)s::text, %(queue)s::text, %(state)s::text, %(input)s::jsonb, %(meta)s::jsonb,
-  %(priority)s::int, 0, %(max_attempts)s::int, %(partition_key)s::text,
-  %(ready_at)s::timestamptz, %(workflow_id)s::text, %(wf_name)s::text,
-  ARRAY(SELECT jsonb_array_elements_text(%(wf_deps)s::jsonb)),
-  ARRAY(SELECT jsonb_array_elements_text(%(wf_ignore)s::jsonb)),
-  %(cron_name)s::text, %(cron_slot)s::timestamptz, %(unique_key)s::text,
-  %(unique_mode)s::text, %(parent_id)s::bigint, %(budget_usd_micros)s::bigint,
-  %(budget_tokens)s::bigint, 0, 0, '[]'::jsonb, false, %(now)s::timestamptz
+  %s::text, %s::text, %s::text, %s::jsonb, %s::jsonb,
+  %s::int, 0, %s::int, %s::text,
+  %s::timestamptz, %s::text, %s::text,
+  ARRAY(SELECT jsonb_array_elements_text(%s::jsonb)),
+  ARRAY(SELECT jsonb_array_elements_text(%s::jsonb)),
+  %s::text, %s::timestamptz, %s::text,
+  %s::text, %s::bigint, %s::bigint,
+  %s::bigint, 0, 0, '[]'::jsonb, false, %s::timestamptz
 )
 ON CONFLICT DO NOTHING
 RETURNING id,
-  CASE WHEN %(channel)s::text IS NOT NULL
-       THEN pg_notify(%(channel)s, '{"t":"p","q":' || to_json(queue)::text || '}') END
+  CASE WHEN %s::text IS NOT NULL
+       THEN pg_notify(%s, '{"t":"p","q":' || to_json(queue)::text || '}') END
     AS poked;
 
 -- name: draw_job_ids
