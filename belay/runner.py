@@ -183,7 +183,6 @@ class Worker(HookMethods, QueueMethods):
             self.pools, self._now, notify=notify,
             on_batched=lambda pending, outcome: self.runner.batched(pending, outcome),
             on_batch_failed=lambda batch, exc: self.runner.batch_failed(batch, exc),
-            on_crash=self.supervisor.report,
         )
         self.leases = Leases(self.node_id, self.lease_ttl, self.pools.connection, self._now,
                              on_timeout=lambda execution: self.runner.timed_out(execution))

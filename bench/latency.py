@@ -28,6 +28,8 @@ PERCENTILES = (50, 90, 99)
 #: The reference's published figures (ms) and the issue's targets (ms).
 REFERENCE = {"notify": {50: 11.0, 99: 24.5}, "polling": {50: 49.4}}
 TARGETS = {"notify": {50: 5.0, 99: 15.0}, "polling": {50: 30.0}}
+#: belay notify p50 at most this many times the raw floor's p50.
+FLOOR_TARGET = 1.5
 #: DESIGN's estimate of the raw floor (ms).
 DESIGN_FLOOR = {50: 2.0, 99: 5.0}
 BURST = 100
@@ -224,6 +226,17 @@ def _percentile_figures(variant: str, label: str, latencies: list[float],
     return figures
 
 
+def _floor_figure(latencies: list[float], floor: list[float]) -> Figure:
+    """belay notify p50 against the raw floor of the same run (the target is a ratio)."""
+    value, base = percentile(latencies, 50) * 1000, percentile(floor, 50) * 1000
+    return Figure(
+        SECTION, "belay notify p50 against the raw floor", value, "ms",
+        baseline="raw psycopg floor p50 (this run)", baseline_value=base,
+        higher_is_better=False, target=f"≤ {FLOOR_TARGET:g}x the floor",
+        met=value <= FLOOR_TARGET * base, note="as above",
+    )
+
+
 def _burst_figure(workers: int, times: list[float]) -> Figure:
     value = median(times) * 1000
     low, high = BURST_REFERENCE
@@ -251,6 +264,8 @@ def run(bench: Bench) -> list[Figure]:
         latencies, extra = _belay_samples(bench, count, rng, notify=notify)
         label = "belay notify" if notify else "belay polling (poll_interval 0.5 s)"
         figures += _percentile_figures(variant, label, latencies, floor, extra)
+        if notify:
+            figures.append(_floor_figure(latencies, floor))
     reps = bench.size(5, 20)
     for workers in (1, 2):
         bench.log(f"latency: {BURST}-job bursts, {workers} worker process(es), {reps} times")

@@ -17,7 +17,7 @@ import time
 import psycopg
 
 import belay
-from bench.core import Bench, Figure, median, processes, rss_bytes
+from bench.core import Bench, Figure, cpu_seconds, median, processes, rss_bytes
 from bench.scale import FILL
 
 #: Local slots per worker process: a claim takes up to this many jobs.
@@ -31,22 +31,32 @@ def fill(url: str, count: int, kind: str = "noop") -> None:
                              for n in range(start, min(count, start + 5_000))])
 
 
-def burn_down(bench: Bench, count: int, procs: int, limit: int = LIMIT) -> float:
-    """jobs/s for ``count`` no-op jobs drained by ``procs`` worker processes."""
+DONE = "SELECT count(*) FROM belay_jobs WHERE state = 'succeeded'"
+
+
+def burn_down(bench: Bench, count: int, procs: int, limit: int = LIMIT) -> tuple[float, float]:
+    """(jobs/s, worker CPU µs per job) for ``count`` no-op jobs drained by
+    ``procs`` worker processes. The CPU is the workers' user + system time
+    from the moment each said ``ready`` (imports and start-up excluded) to
+    the end of the drain, over the jobs finished in that time."""
     with bench.database("burn") as url:
         fill(url, count)
         with psycopg.connect(url, autocommit=True) as conn, processes(
-                procs, "bench.belay_node", "--url", url, "--queue", f"default={limit}"):
+                procs, "bench.belay_node", "--url", url, "--queue", f"default={limit}"
+        ) as nodes:
+            cpu_start = sum(cpu_seconds(n.pid) or 0.0 for n in nodes)
+            done_start = conn.execute(DONE).fetchone()[0]  # type: ignore[index]
             deadline = time.monotonic() + 600
             while conn.execute("SELECT count(*) FROM belay_jobs WHERE state <> 'succeeded'"
                                ).fetchone()[0]:  # type: ignore[index]
                 if time.monotonic() > deadline:
                     raise TimeoutError("burn-down did not finish in 10 minutes")
                 time.sleep(0.05)
+            cpu = sum(cpu_seconds(n.pid) or 0.0 for n in nodes) - cpu_start
             span = conn.execute(
                 "SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM belay_jobs"
             ).fetchone()[0]  # type: ignore[index]
-    return count / float(span)
+    return count / float(span), cpu / max(1, count - done_start) * 1e6
 
 
 def sustained(bench: Bench, seconds: float, procs: int = 2) -> tuple[float, int]:
@@ -82,14 +92,25 @@ def run(bench: Bench) -> list[Figure]:
     repeats = bench.size(1, 3)
     figures: list[Figure] = []
     for procs in (1, 2):
-        rates = []
+        rates, cpus = [], []
         for _ in range(repeats):
-            rates.append(burn_down(bench, count, procs))
-            bench.log(f"belay burn-down, {procs} process(es): {rates[-1]:,.0f} jobs/s")
+            rate, cpu = burn_down(bench, count, procs)
+            rates.append(rate)
+            cpus.append(cpu)
+            bench.log(f"belay burn-down, {procs} process(es): {rate:,.0f} jobs/s, "
+                      f"worker CPU {cpu:.1f} µs/job")
         figures.append(Figure(
             "throughput", f"belay, burn-down of {count:,}, {procs} process(es)", median(rates),
             "jobs/s", note=f"queue limit {LIMIT} per process; median of {repeats}",
             extra={"system": "belay", "procs": procs, "runs": rates}))
+        if procs == 1:
+            figures.append(Figure(
+                "throughput", "belay worker CPU per no-op job, 1 process", median(cpus), "µs",
+                higher_is_better=False, target="≤ 25 µs", met=median(cpus) <= 25,
+                note="user + system CPU of the worker process (every thread: claim, run, "
+                     "ack; psycopg and libpq included) from `ready` to the end of the "
+                     f"burn-down, per job finished meanwhile; median of {repeats}",
+                extra={"runs": [round(c, 1) for c in cpus]}))
     seconds = bench.size(5, 30)
     rate, peak = sustained(bench, seconds)
     bench.log(f"belay sustained {seconds}s, 2 processes: {rate:,.0f} jobs/s, peak RSS "

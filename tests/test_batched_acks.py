@@ -3,9 +3,10 @@ statement, each row fenced on its own claimed attempt, equal to N single acks.
 
 Jobs whose terminal write settles nothing (no workflow, no parent) are
 batched in one statement; a batch with workflow members or children is one
-transaction that also settles each workflow and tells each parent. A running worker
-acks its executors' successes through the ``belay-acker`` thread; ``stop()``
-acks whatever is pending before the pool closes.
+transaction that also settles each workflow and tells each parent. A
+running worker acks its executors' successes in batches written by the
+executor threads themselves (flat combining); ``stop()`` acks whatever is
+pending before the pool closes.
 """
 
 from __future__ import annotations

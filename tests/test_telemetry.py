@@ -261,12 +261,12 @@ def test_a_run_whose_ack_crashes_still_ends_once(client: belay.Belay, sql_conn: 
             "belay_jobs_in_flight", {"queue": "default", "kind": kind}) == 0
 
 
-def test_a_chunk_whose_later_ack_crashes_leaves_a_handed_off_success_to_the_acker(
+def test_a_chunk_whose_later_ack_crashes_leaves_a_handed_off_success_to_the_batch(
     client: belay.Belay, sql_conn: Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In a chunk, job A's success goes to the acker (held up here), then job B's
-    ack fails: B ends ``crashed`` and A ends once, ``succeeded``, when the acker
-    writes it — never ``crashed`` first."""
+    """In a chunk, job A's success goes to the batched ack (held up here),
+    then job B's ack fails: B ends ``crashed`` and A ends once, ``succeeded``,
+    when the batch is written — never ``crashed`` first."""
     gate, handed = threading.Event(), threading.Event()
     real = store.ack_succeeded_many
 

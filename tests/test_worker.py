@@ -15,6 +15,7 @@ for what no event announces (a row the heartbeat or the sweeper changed).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -48,7 +49,7 @@ from tests.helpers import (
 )
 
 WORKER_NAMES = ("belay-producer-", "belay-exec-", "belay-heartbeat", "belay-sweeper",
-                "belay-listener", "belay-poller", "belay-acker", "belay-queues")
+                "belay-listener", "belay-poller", "belay-queues")
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -967,7 +968,9 @@ def test_a_poke_wakes_an_idle_worker_long_before_its_poll(client, sql_conn, note
     assert elapsed < 2.0, elapsed
     received = notes.received()
     assert {"t": "p", "q": "default"} in received  # the client's poke
-    assert {"t": "r", "id": job.id} in received  # the worker's result notification
+    # The worker's result notification (carrying the result: §9.2, belay's addition).
+    assert {"t": "r", "id": job.id, "s": "succeeded",
+            "v": base64.b64encode(b'"hi"').decode()} in received
 
 
 def test_polling_alone_still_finds_the_work(db_url, clock, sql_conn) -> None:
@@ -1071,8 +1074,8 @@ def test_start_and_stop_are_idempotent_and_name_their_threads(client, sql_conn) 
             "belay-exec-0", "belay-exec-1", "belay-exec-2"]
         assert {n for n in names if not n.startswith("belay-exec-")} == {
             "belay-producer-a", "belay-producer-b", "belay-heartbeat", "belay-sweeper",
-            "belay-listener", "belay-poller", "belay-acker", "belay-queues"}
-        assert len(names) == 11  # the second start() started nothing
+            "belay-listener", "belay-poller", "belay-queues"}
+        assert len(names) == 10  # the second start() started nothing
         ends = Ends(worker)
         client.enqueue("life", queue="b")
         ends.wait_for(1)

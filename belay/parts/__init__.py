@@ -9,9 +9,10 @@ Threads of a running worker, each a supervised :class:`~.service.Service`
             │ (Producers)               ▲
             │ submit                    │ release
             ▼                           │
-    belay-exec-<n> ── JobRunner ──► Completer ──batched successes──► belay-acker
-      (ThreadExecutor)  middleware,      │ fenced ack (§7)
-                        decide           ▼
+    belay-exec-<n> ── JobRunner ──► Completer ──batched successes (same thread,
+      (ThreadExecutor)  middleware,      │      or the one whose batch is in flight)
+                        decide           │ fenced ack (§7)
+                                         ▼
                                      PostgreSQL ◄── belay-sweeper (Maintenance:
     belay-poller: wakes idle producers              reclaim, reconcile, prune)
     belay-queues: merges belay_queues rows     belay-cron, belay-listener
@@ -28,8 +29,8 @@ One job, from claim to ack:
 5. :meth:`.running.JobRunner.conclude` decides the outcome
    (:func:`belay.outcome.decide`);
 6. :meth:`.completer.Completer.ack` writes it with :func:`.completer.ack_on`,
-   fenced on the attempt (a success that settles nothing goes to the acker
-   instead, batched with others);
+   fenced on the attempt (a success instead joins the batch waiting, which
+   this thread writes unless another thread's batch is in flight);
 7. :meth:`.running.JobRunner.release` frees the lease and the slot, and the
    producer wakes to claim again.
 

@@ -5,12 +5,14 @@ claimed attempt, and in the same transaction the NOTIFYs it calls for. A
 stale attempt (reclaimed meanwhile) writes nothing.
 
 :class:`Completer` is the Python worker's: inline acks retried when the
-database blinks, parks (§7 park-and-wake), and the batched acker
-(deliberate difference 2) — successes wait in a queue, and ``belay-acker``
-acks every one waiting in one statement, each row fenced on its own attempt
-(with workflow members or children among them, in one transaction that also
-settles each workflow once and tells each parent once). No timer: a lone
-success is acked at once.
+database blinks, parks (§7 park-and-wake), and batched acks (deliberate
+difference 2) — successes wait in a queue, and the executor thread that
+handed one over acks every one waiting in one statement, unless another
+thread's batch is in flight (flat combining: that thread takes them along
+next), each row fenced on its own attempt (with workflow members or children
+among them, in one transaction that also settles each workflow once and
+tells each parent once). No timer and no hand-off: a lone success is acked
+at once, by the thread that ran it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from belay.job import Job
 from belay.outcome import Outcome
 from belay.parts.execution import Execution
 from belay.parts.pool import WorkerPool
-from belay.parts.service import Service
 
 log = logging.getLogger("belay.worker")
 
@@ -59,7 +60,7 @@ def ack_on(conn: psycopg.Connection[Any], job: Job, outcome: Outcome, now: datet
 
 @dataclass(frozen=True)
 class PendingAck:
-    """A success handed to the acker: acked, then reported, then forgotten."""
+    """A success handed to the batched ack: acked, then reported, then forgotten."""
 
     execution: Execution
     result: bytes | None
@@ -82,17 +83,18 @@ class Completer:
         notify: bool,
         on_batched: Callable[[PendingAck, str], None],
         on_batch_failed: Callable[[list[PendingAck], BaseException], None],
-        on_crash: Callable[[Service, BaseException], None] | None = None,
     ) -> None:
         self._now = now
         self.notify = notify
         self._pools = pools
         self._on_batched = on_batched
         self._on_batch_failed = on_batch_failed
-        self._on_crash = on_crash
         self._lock = threading.Lock()
-        self._acks: queue_module.SimpleQueue[PendingAck | None] = queue_module.SimpleQueue()
-        self._acker: Service | None = None
+        self._acks: queue_module.SimpleQueue[PendingAck] = queue_module.SimpleQueue()
+        #: True between start() and stop(): successes may be handed over.
+        self._open = False
+        #: Held by the thread writing a batched ack (:meth:`combine`).
+        self._acking = threading.Lock()
         #: Paces retries of an ack; set once the worker halts.
         self._halted = threading.Event()
 
@@ -166,26 +168,44 @@ class Completer:
 
     def start(self) -> None:
         self._halted.clear()
-        self._acks = queue_module.SimpleQueue()
-        self._acker = Service("belay-acker", self._loop, on_crash=self._on_crash).start()
+        with self._lock:
+            self._acks = queue_module.SimpleQueue()
+            self._open = True
 
     def defer(self, pending: PendingAck) -> bool:
-        """Hand a success to the acker; False (ack it yourself) once it is stopping."""
+        """Hand a success to the next batch; False (ack it yourself) once the
+        completer is stopping. The caller then calls :meth:`combine`."""
         with self._lock:
-            if self._acker is None:
+            if not self._open:
                 return False
             pending.execution.ack_pending = True
             self._acks.put(pending)
         return True
 
+    def combine(self) -> None:
+        """Flat combining: the thread that handed successes over writes the
+        batch itself when no batched ack is in flight — every success
+        waiting, in one statement — and otherwise leaves them to the thread
+        whose ack is in flight, which takes them along next. Whoever lets go
+        of the batch looks again, so nothing waits unwritten: a lone success
+        is acked at once, on its own thread, with no hand-off."""
+        while self._acking.acquire(blocking=False):
+            try:
+                batch = self._waiting()
+                if batch:
+                    self._write_batch(batch)
+            finally:
+                self._acking.release()
+            if self._acks.empty():
+                return
+
     def stop(self) -> None:
-        """Ack what is pending, then stop the acker (before the pool closes)."""
+        """Ack what is pending (before the pool closes); no success is taken after."""
         with self._lock:
-            acker, self._acker = self._acker, None
-        if acker is not None:
-            acker.stop()
-            self._acks.put(None)
-            acker.join()
+            self._open = False
+        with self._acking:
+            while batch := self._waiting():
+                self._write_batch(batch)
 
     def halt(self) -> None:
         """The worker is going: a retry of an ack waits no more."""
@@ -208,34 +228,23 @@ class Completer:
                          [store.poke_payload(q) for q in {q for _, q in settled.ready}]
                          + [store.result_payload(i) for i in settled.cancelled])
 
-    def _loop(self, service: Service) -> None:
-        """Take every success waiting — one, or as many as piled up while the
-        last batch was in flight — and ack them in one statement."""
-        while True:
-            item = self._acks.get()
-            batch: list[PendingAck] = []
-            stopping = item is None
-            if item is not None:
-                batch.append(item)
-            while not stopping and len(batch) < ACK_BATCH:
-                try:
-                    item = self._acks.get_nowait()
-                except queue_module.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                else:
-                    batch.append(item)
-            if batch:
-                try:
-                    self._ack_batch(batch)
-                except BaseException as exc:
-                    log.exception("belay: batched ack of jobs %s failed; their leases will "
-                                  "lapse and they will be reclaimed",
-                                  [p.execution.job.id for p in batch])
-                    self._on_batch_failed(batch, exc)
-            if stopping:
-                return
+    def _waiting(self) -> list[PendingAck]:
+        """Up to ``ACK_BATCH`` successes waiting, in the order handed over."""
+        batch: list[PendingAck] = []
+        while len(batch) < ACK_BATCH:
+            try:
+                batch.append(self._acks.get_nowait())
+            except queue_module.Empty:
+                break
+        return batch
+
+    def _write_batch(self, batch: list[PendingAck]) -> None:
+        try:
+            self._ack_batch(batch)
+        except BaseException as exc:
+            log.exception("belay: batched ack of jobs %s failed; their leases will lapse and "
+                          "they will be reclaimed", [p.execution.job.id for p in batch])
+            self._on_batch_failed(batch, exc)
 
     def _ack_batch(self, batch: list[PendingAck]) -> None:
         rows = [(p.execution.job, p.result) for p in batch]

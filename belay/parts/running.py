@@ -66,8 +66,13 @@ class JobRunner:
         return self.client.clock.now()
 
     def run(self, work: Execution | list[Execution]) -> object:
-        """What an executor calls with a piece of work."""
-        return self.execute_chunk(work) if isinstance(work, list) else self.execute(work)
+        """What an executor calls with a piece of work; then it acks the
+        successes it handed over (with any others waiting), unless a batch
+        is in flight that takes them along."""
+        try:
+            return self.execute_chunk(work) if isinstance(work, list) else self.execute(work)
+        finally:
+            self.completer.combine()
 
     def release(self, execution: Execution) -> None:
         """The executor is done with it: forget it and free its slot — unless
