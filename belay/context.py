@@ -118,6 +118,10 @@ class _Timeout:
 TIMEOUT = _Timeout()
 
 
+#: Guards the lazy creation of a context's per-thread state.
+_LOCAL_LOCK = threading.Lock()
+
+
 class Context:
     """Passed to a worker function: the job, and the run's link to belay."""
 
@@ -134,7 +138,7 @@ class Context:
         self.registry = registry if registry is not None else client.registry
         # Per thread: a job may run steps from several threads at once, but a
         # step's function may not start another step.
-        self._local = threading.local()
+        self._local: threading.local | None = None  # made by the first step
         #: The run's journal of steps (what ``step`` and the integrations use).
         self.journal = Journal(self)
 
@@ -152,11 +156,17 @@ class Context:
 
     @property
     def _in_step(self) -> bool:
-        return bool(getattr(self._local, "in_step", False))
+        return self._local is not None and bool(getattr(self._local, "in_step", False))
 
     @_in_step.setter
     def _in_step(self, value: bool) -> None:
-        self._local.in_step = value
+        local = self._local
+        if local is None:
+            with _LOCAL_LOCK:
+                local = self._local
+                if local is None:
+                    local = self._local = threading.local()
+        local.in_step = value
 
     @property
     def job(self) -> Job:

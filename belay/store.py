@@ -64,8 +64,19 @@ def _jobs(conn: Conn, query: str, params: Any = None) -> list[Job]:
         rows = cur.fetchall()
         if not rows:
             return []
-        assert cur.description is not None
-        return Job.from_columns([column.name for column in cur.description], rows)
+        names = _COLUMNS.get(query)
+        if names is None:
+            # A statement's columns are its text's: read once (building
+            # ``cur.description`` costs more than decoding a claim's rows).
+            result = cur.pgresult
+            assert result is not None
+            names = _COLUMNS[query] = [
+                (result.fname(i) or b"").decode() for i in range(result.nfields)]
+        return Job.from_columns(names, rows)
+
+
+#: The column names of each statement :func:`_jobs` ran.
+_COLUMNS: dict[str, list[str]] = {}
 
 
 def _value(conn: Conn, query: str, params: Any = None) -> Any:
@@ -706,10 +717,11 @@ def ack_succeeded_many(
     announces each result there (§9.2)."""
     if not acks:
         return set()
+    results = [result for _, result in acks]
     found = _rows(conn, "ack_succeeded_many", {
-        "ids": [job.id for job, _ in acks],
-        "attempts": [job.attempt for job, _ in acks],
-        "results": [result for _, result in acks],
+        "ids": _int_array(job.id for job, _ in acks),
+        "attempts": _int_array(job.attempt for job, _ in acks),
+        "results": results if any(r is not None for r in results) else None,
         "now": now,
         "channel": channel,
     })
@@ -737,6 +749,12 @@ def ack_succeeded_settling(
     ready += deliver_signals(conn, [names.job_scope(p) for p in parents if p is not None],
                              names.CHILDREN, "{}", now)
     return acked, Settled(ready=ready, cancelled=[r["id"] for r in doomed])
+
+
+def _int_array(values: Iterable[int]) -> str:
+    """An integer array's literal (``{1,2,3}``): one join, where a list
+    parameter is dumped element by element in Python."""
+    return "{" + ",".join(map(str, values)) + "}"
 
 
 def expired_leases(conn: Conn, now: datetime, limit: int) -> list[int]:

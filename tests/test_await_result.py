@@ -245,17 +245,29 @@ def test_a_job_finishing_during_the_wait_returns_its_result(
     (b'"' + b"x" * 4000 + b'"', False),   # too large to carry: the row is read
 ], ids=["small", "none", "large"])
 def test_a_batched_ack_notification_carries_the_result(
-    client, db_url, sql_conn, result, carried
+    client, db_url, sql_conn, monkeypatch, result, carried
 ) -> None:
-    """The acker's notification (§9.2, belay's addition) carries a small
-    result: await_result returns it without reading the row again. To tell
-    the two apart, the row's result is overwritten in the ack's own
+    """The batched ack's notification (§9.2, belay's addition) carries a
+    small result: await_result returns it without reading the row again. To
+    tell the two apart, the row's result is overwritten in the ack's own
     transaction, after the notification was queued with the acked one."""
     job = insert_job(sql_conn, state="running", attempt=1, leased_by="node-a")
     listener = client._result_listener()
     assert listener.listening.wait(5)
+    read = threading.Event()
+    real_get = client.get_job
+
+    def get_job(job_id: int, **kwargs: Any) -> Any:
+        found = real_get(job_id, **kwargs)
+        read.set()
+        return found
+
+    monkeypatch.setattr(client, "get_job", get_job)
+    # No polling between reads: only the notification ends the wait.
+    monkeypatch.setattr(belay.client, "_bounded", lambda interval, deadline: 30.0)
     waiter = Waiter(client, job)
-    wait_until(lambda: job in listener._waiters, "the waiter watches the job")
+    # Its first read saw the job running.
+    assert read.wait(10)
     claimed = belay.Job.from_row(
         {"id": job, "kind": "k", "queue": "default", "state": "running", "attempt": 1})
     with psycopg.connect(db_url, autocommit=True) as conn, conn.transaction():

@@ -564,7 +564,12 @@ RETURNING {job_columns};
 -- settles nothing — so N rows here are exactly N single acks. Locks in id
 -- order (see renew_leases).
 WITH acks AS (
-  SELECT * FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::bytea[])
+  -- ids and attempts come as array literals ('{1,2}'): cheaper to build
+  -- than to dump element by element; results is NULL when every one is.
+  SELECT * FROM unnest(
+    %(ids)s::text::bigint[], %(attempts)s::text::int[],
+    COALESCE(%(results)s::bytea[],
+             array_fill(NULL::bytea, ARRAY[cardinality(%(ids)s::text::bigint[])])))
     AS a(id, attempt, result)
 ), mine AS (
   SELECT j.id FROM belay_jobs AS j JOIN acks ON acks.id = j.id
