@@ -1,6 +1,9 @@
-"""Peer libraries drained on the same server as belay: PgQueuer and
-Procrastinate at pinned versions, each in a virtualenv of its own, so neither
-shares belay's environment nor pins anything in it.
+"""Peer libraries drained on the same server as belay: PgQueuer,
+Procrastinate, Oban for Python and DBOS (its durable queues) at pinned
+versions, each in a virtualenv of its own, so none shares belay's environment
+nor pins anything in it. A peer that needs a newer Python than the bench runs
+on (Oban: 3.12) gets its virtualenv from such an interpreter found on the
+machine (``PATH``, pyenv's versions), or is reported as not measured.
 
 One drain: a fresh empty database, the peer's own schema, N no-op jobs enqueued
 in one batch (not timed), then worker processes that connect, say ``ready`` and
@@ -14,9 +17,11 @@ notices the end adds no error.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +65,8 @@ class Peer:
     succeeded: str
     #: Seconds from the first job taken to the last success recorded.
     elapsed: str
+    #: The oldest Python the pinned release installs on, when newer than 3.11.
+    min_python: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,35 @@ PROCRASTINATE = Peer(
             " - min(at) FILTER (WHERE type = 'started')) FROM procrastinate_events",
 )
 
+OBAN = Peer(
+    system="oban",
+    title="Oban for Python 0.7.0",
+    requirement="oban==0.7.0",
+    extras=(),
+    module="bench.peer_oban",
+    # Oban keeps its jobs (pruned after a day): the states left to run.
+    drained="SELECT NOT EXISTS (SELECT FROM oban_jobs"
+            " WHERE state IN ('available', 'scheduled', 'executing', 'retryable'))",
+    succeeded="SELECT count(*) FROM oban_jobs WHERE state = 'completed'",
+    # attempted_at is stamped by the fetch, completed_at by the (batched) ack.
+    elapsed="SELECT extract(epoch FROM max(completed_at) - min(attempted_at)) FROM oban_jobs",
+    min_python=(3, 12),
+)
+
+DBOS = Peer(
+    system="dbos",
+    title="DBOS 3.4.0 queues",
+    requirement="dbos==3.4.0",
+    extras=(),
+    module="bench.peer_dbos",
+    drained="SELECT NOT EXISTS (SELECT FROM dbos.workflow_status"
+            " WHERE status IN ('ENQUEUED', 'DELAYED', 'PENDING'))",
+    succeeded="SELECT count(*) FROM dbos.workflow_status WHERE status = 'SUCCESS'",
+    # Epoch milliseconds of the database's clock: the claim's and the outcome's.
+    elapsed="SELECT (max(completed_at) - min(started_at_epoch_ms)) / 1000.0"
+            " FROM dbos.workflow_status WHERE status = 'SUCCESS'",
+)
+
 SETUPS = (
     Setup(PGQUEUER, "", ("--consumers", "5", "--batch", "10"),
           "PgQueuer's benchmark defaults: 5 consumers per process, one psycopg "
@@ -110,6 +146,27 @@ SETUPS = (
     Setup(PROCRASTINATE, "", ("--concurrency", "10", "--pool", "4"),
           "one worker per process, concurrency 10, async no-op task, pool of 4 connections",
           {"concurrency": 10, "pool": 4}),
+    Setup(OBAN, "", ("--limit", "10"),
+          "Oban's documented defaults: embedded as `oban start` runs it (uvloop, orjson), "
+          "one queue at limit 10 (the docs' `default = 10`, and a queue's limit when none "
+          "is given), debounce 5 ms, connection pool of 1 to 10; async no-op worker",
+          {"config": "defaults", "limit": 10, "pool": 10}),
+    Setup(OBAN, " (limit 500)", ("--limit", "500"),
+          "the best configuration found from Oban's docs (\"Defining Queues\": a queue's "
+          "limit is its concurrency, per node, with no upper bound): queue limit 500, "
+          "otherwise as the defaults",
+          {"config": "best", "limit": 500, "pool": 10}),
+    Setup(DBOS, "", ("--worker-concurrency", "0", "--polling", "1.0"),
+          "DBOS's defaults: a registered queue with no concurrency limit (one poll claims "
+          "every enqueued workflow) and polling_interval_sec 1.0; sync no-op workflow; "
+          "each process its own executor_id, one application_version",
+          {"config": "defaults", "worker_concurrency": None, "polling": 1.0}),
+    Setup(DBOS, " (worker concurrency 100, polling 0.01 s)",
+          ("--worker-concurrency", "100", "--polling", "0.01"),
+          "the best configuration found from DBOS's queue docs (worker_concurrency, "
+          "polling_interval_sec): worker_concurrency 100, polling_interval_sec 0.01, "
+          "otherwise as the defaults",
+          {"config": "best", "worker_concurrency": 100, "polling": 0.01}),
 )
 
 
@@ -132,22 +189,68 @@ def _imports(python: Path, name: str) -> bool:
     return subprocess.run([python, "-c", f"import {name}"], capture_output=True).returncode == 0
 
 
+def _version(python: str) -> tuple[int, int] | None:
+    try:
+        done = subprocess.run(
+            [python, "-c", "import sys, venv; print(*sys.version_info[:2])"],
+            capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    words = done.stdout.split()
+    if done.returncode != 0 or len(words) != 2:
+        return None
+    return int(words[0]), int(words[1])
+
+
+def base_python(minimum: tuple[int, int] | None) -> tuple[str, tuple[int, int]]:
+    """An interpreter of at least ``minimum`` to make a virtualenv with: the
+    bench's own when new enough, else the oldest such one on ``PATH``
+    (``python3.N``) or among pyenv's versions."""
+    own = (sys.version_info.major, sys.version_info.minor)
+    if minimum is None or own >= minimum:
+        return sys.executable, own
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    for minor in range(minimum[1], 20):
+        name = f"python{minimum[0]}.{minor}"
+        found = [shutil.which(name), *sorted(glob.glob(str(pyenv / f"*/bin/{name}")))]
+        for candidate in filter(None, found):
+            version = _version(candidate)
+            if version is not None and version >= minimum:
+                return candidate, version
+    raise PeerUnavailable(f"no Python {minimum[0]}.{minimum[1]} or newer on this machine "
+                          "(PATH, pyenv)")
+
+
 def peer_python(name: str, requirement: str, *extras: str,
-                log: Callable[[str], None] = _stderr) -> str:
+                log: Callable[[str], None] = _stderr,
+                min_python: tuple[int, int] | None = None) -> str:
     """The python of a virtualenv holding ``requirement`` (and ``extras``), made
-    once under the cache directory and reused while it still imports ``name``."""
+    once under the cache directory (from an interpreter of at least
+    ``min_python``) and reused while it still imports ``name``."""
     if requirement in _pythons:
         return _pythons[requirement]
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", requirement)
-    home = cache_dir() / f"{slug}-py{sys.version_info.major}.{sys.version_info.minor}"
-    python = home / "bin" / "python"
-    if _imports(python, name):
+    own = (sys.version_info.major, sys.version_info.minor)
+
+    def home_of(version: tuple[int, int]) -> Path:
+        return cache_dir() / f"{slug}-py{version[0]}.{version[1]}"
+
+    if min_python is None or own >= min_python:
+        homes = [home_of(own)]
+    else:  # any virtualenv of this release made before from a new enough Python
+        homes = [home_of((own[0], minor)) for minor in range(min_python[1], 20)]
+    home = next((home for home in homes if _imports(home / "bin" / "python", name)), None)
+    if home is not None:
+        python = home / "bin" / "python"
         log(f"peer {requirement}: reusing {home}")
     else:
-        log(f"peer {requirement}: creating {home} and installing it from PyPI")
+        base, version = base_python(min_python)
+        home = home_of(version)
+        python = home / "bin" / "python"
+        log(f"peer {requirement}: creating {home} from {base} and installing it from PyPI")
         started = time.monotonic()
         steps = {
-            "venv": [sys.executable, "-m", "venv", "--clear", str(home)],
+            "venv": [base, "-m", "venv", "--clear", str(home)],
             "pip install": [str(python), "-m", "pip", "install", "--quiet",
                             "--disable-pip-version-check", requirement, *extras],
         }
@@ -247,7 +350,8 @@ def run(bench: Bench) -> list[Figure]:
         python = None
         if peer.system not in unavailable:
             try:
-                python = peer_python(peer.system, peer.requirement, *peer.extras, log=bench.log)
+                python = peer_python(peer.system, peer.requirement, *peer.extras, log=bench.log,
+                                     min_python=peer.min_python)
             except PeerUnavailable as exc:
                 unavailable[peer.system] = str(exc)
                 bench.log(f"!!! {peer.title} could not be installed; its figures are NaN: {exc}")
