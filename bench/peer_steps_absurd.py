@@ -18,7 +18,6 @@ returns its number at once; with it each first appends
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import time
@@ -27,6 +26,8 @@ from typing import Any
 import absurdctl  # type: ignore[import-not-found, unused-ignore]
 import psycopg
 from absurd_sdk import Absurd  # type: ignore[import-not-found, unused-ignore]
+
+from bench import peer_cli
 
 TASK = "steps"
 STEPS = 10
@@ -80,15 +81,8 @@ def work(url: str, claim_timeout: int | None, concurrency: int | None) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.peer_steps_absurd")
-    commands = parser.add_subparsers(dest="command", required=True)
-    prep = commands.add_parser("prepare", help="install the schema, spawn tasks")
-    prep.add_argument("--url", required=True)
-    prep.add_argument("--count", type=int, required=True)
-    prep.add_argument("--file", help="steps record their start here and sleep")
-    prep.add_argument("--sleep", type=float, default=0.05)
-    serve = commands.add_parser("work", help="run the worker until SIGTERM")
-    serve.add_argument("--url", required=True)
+    parser, serve = peer_cli.steps_parser("python -m bench.peer_steps_absurd",
+                                         prepare="install the schema, spawn tasks")
     serve.add_argument("--claim-timeout", type=int)
     serve.add_argument("--concurrency", type=int)
     args: Any = parser.parse_args()

@@ -20,7 +20,6 @@ each returns its number at once; with it each first appends
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import threading
@@ -30,6 +29,8 @@ from typing import Any
 import psycopg
 from dbos import DBOS, DBOSConfig  # type: ignore[import-not-found, unused-ignore]
 from sqlalchemy.engine import URL
+
+from bench import peer_cli
 
 APP = "belay-bench-steps"
 QUEUE = "steps"
@@ -103,15 +104,8 @@ def work(url: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.peer_steps_dbos")
-    commands = parser.add_subparsers(dest="command", required=True)
-    prep = commands.add_parser("prepare", help="create the tables, enqueue workflows")
-    prep.add_argument("--url", required=True)
-    prep.add_argument("--count", type=int, required=True)
-    prep.add_argument("--file", help="steps record their start here and sleep")
-    prep.add_argument("--sleep", type=float, default=0.05)
-    serve = commands.add_parser("work", help="run the worker until SIGTERM")
-    serve.add_argument("--url", required=True)
+    parser, _ = peer_cli.steps_parser("python -m bench.peer_steps_dbos",
+                                      prepare="create the tables, enqueue workflows")
     args: Any = parser.parse_args()
     if args.command == "prepare":
         prepare(args.url, args.count, args.file, args.sleep)
