@@ -14,6 +14,8 @@ from typing import Any
 import psycopg
 
 from belay import errors
+from belay.budget import BudgetNotice as BudgetNotice
+from belay.budget import Headroom as Headroom
 from belay.client import STATS_CAP as STATS_CAP
 from belay.client import Belay
 from belay.client import CancelStatus as CancelStatus
@@ -144,6 +146,7 @@ __all__ = [
     "steer_job",
     "steps",
     "subscribe_events",
+    "top_up",
     "worker",
     "workflow_status",
 ]
@@ -250,6 +253,11 @@ def signal_job(
 
 def steer_job(job_id: int, payload: Mapping[str, Any], *, conn: Conn | None = None) -> list[int]:
     return default().steer_job(job_id, payload, conn=conn)
+
+
+def top_up(job_id: int, *, usd: float | None = None, tokens: int | None = None,
+           conn: Conn | None = None) -> Job:
+    return default().top_up(job_id, usd=usd, tokens=tokens, conn=conn)
 
 
 def clear_signal(scope: str, name: str, *, conn: Conn | None = None) -> bool:

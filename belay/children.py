@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from belay import names, store
+from belay.budget import policy_of
 from belay.context import Park
 from belay.enqueue import JobSpec
 from belay.errors import ValidationError
@@ -69,6 +70,11 @@ def budget_share(ctx: Context, children: int) -> dict[str, Any] | None:
         budget["usd"] = (left // children) / 1_000_000
     if job.budget_tokens is not None:
         budget["tokens"] = max(job.budget_tokens - job.spent_tokens, 0) // children
+    if budget:
+        # The children follow the parent's policy: a pausing tree pauses
+        # wherever it crosses, and warns at the same thresholds.
+        policy = policy_of(job.meta)
+        budget["on_exceed"], budget["warn_at"] = policy.on_exceed, list(policy.warn_at)
     return budget or None
 
 

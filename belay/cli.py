@@ -2,7 +2,7 @@
 
 Schema and processes: ``migrate``, ``check``, ``worker``, ``mcp``,
 ``dashboard``, ``demo``. Operating: ``stats``, ``jobs``, ``job``, ``events``,
-``retry``, ``cancel``, ``signal``, ``steer``, ``queues``, ``crons``, ``prune``,
+``retry``, ``cancel``, ``signal``, ``steer``, ``top-up``, ``queues``, ``crons``, ``prune``,
 ``replay``, ``doctor`` — direct client calls (whoever has the database URL may already
 write to it), with ``--json`` for scripts.
 
@@ -279,6 +279,11 @@ def _ops_parsers(commands: Any) -> None:
     steer.add_argument("job_id", type=_job_id_arg)
     steer.add_argument("payload", metavar="JSON", help='a JSON object like '
                                                        '\'{"instruction": "be brief"}\'')
+    top_up = op(commands, "top-up", "raise a job's budget caps (a job paused over its "
+                "budget resumes)")
+    top_up.add_argument("job_id", type=_job_id_arg)
+    top_up.add_argument("--usd", type=float, metavar="DOLLARS", help="added to the USD cap")
+    top_up.add_argument("--tokens", type=int, metavar="N", help="added to the token cap")
 
     queues = op(commands, "queues", "list, put, pause, resume or delete belay_queues rows")
     queue_actions = queues.add_subparsers(dest="action", metavar="ACTION")
@@ -853,6 +858,23 @@ def _steer(args: argparse.Namespace, client: Belay) -> int:
                  cliformat.woken_text("steering", args.job_id, woken))
 
 
+def _top_up(args: argparse.Namespace, client: Belay) -> int:
+    from belay import ops
+    from belay.budget import pause_need
+
+    done = ops.mutate(client, ops.Guard(allow=True), "top_up",
+                      {"job_id": args.job_id, "usd": args.usd, "tokens": args.tokens})
+    job = done["job"]
+    caps = ", ".join(f"{unit} cap {job[key]:g}" for unit, key in
+                     (("USD", "budget_usd"), ("token", "budget_tokens"))
+                     if job[key] is not None)
+    text = (f"job {args.job_id}: {caps}; "
+            + ("resumed" if done["resumed"] else
+               "still paused: a cap is still short" if pause_need(job["await_name"]) is not None
+               else job["state"]))
+    return _emit(args, done, text)
+
+
 def _queues(args: argparse.Namespace, client: Belay) -> int:
     from belay import cliformat, ops
 
@@ -1006,7 +1028,8 @@ def _prune(args: argparse.Namespace, client: Belay) -> int:
 
 _OPS: dict[str, Operate] = {
     "stats": _stats, "jobs": _jobs, "job": _job, "events": _events, "retry": _retry,
-    "cancel": _cancel, "signal": _signal, "steer": _steer, "queues": _queues,
+    "cancel": _cancel, "signal": _signal, "steer": _steer, "top-up": _top_up,
+    "queues": _queues,
     "crons": _crons, "prune": _prune, "doctor": _doctor,
 }
 

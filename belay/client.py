@@ -22,6 +22,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from belay import connect, names, schema, store
+from belay.budget import check_top_up
 from belay.clock import Clock, SystemClock
 from belay.codec import dumps_object
 from belay.cron import DynamicCron, dynamic_values
@@ -662,6 +663,30 @@ class Belay:
         """Deliver a signal to one job (scope ``job:<id>``)."""
         _check_signal_name(name)
         return self._deliver(names.job_scope(_job_id(job_id)), name, payload, conn)
+
+    def top_up(self, job_id: int, *, usd: float | None = None, tokens: int | None = None,
+               conn: Conn | None = None) -> Job:
+        """Raise job ``job_id``'s budget caps by ``usd`` dollars and/or ``tokens``.
+
+        A job paused over its budget (``budget={..., "on_exceed": "pause"}``)
+        resumes from its journal once the caps cover its spend: the steps it
+        paid for replay, nothing is paid twice. A top-up that leaves it over
+        a cap keeps it paused. Any unfinished job can be topped up ahead of
+        time. Refused (ValidationError) for a finished job — one failed by
+        ``on_exceed="fail"`` included — and for a cap the job doesn't have.
+        Returns the job as it now stands."""
+        return self._top_up(job_id, usd, tokens, conn)[0]
+
+    def _top_up(self, job_id: int, usd: float | None, tokens: int | None,
+                conn: Conn | None = None) -> tuple[Job, bool]:
+        """:meth:`top_up`, and whether it resumed a paused job."""
+        job_id = _job_id(job_id)
+        usd_micros, more_tokens = check_top_up(usd, tokens)
+        with self.transaction(conn) as active:
+            job, woken = store.top_up(active, job_id, usd_micros, more_tokens, self.clock.now())
+            if woken:
+                self.poke(active, [job.queue])
+        return job, woken
 
     def steer_job(
         self, job_id: int, payload: Mapping[str, Any], *, conn: Conn | None = None

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Union
 
-from belay import names, store
+from belay import budget, names, store
+from belay.budget import BudgetNotice, Headroom
 from belay.codec import decode_value, dumps_object, encode_value
 from belay.enqueue import check_seconds, usd_to_micros
 from belay.errors import BudgetExceeded as BudgetExceeded
@@ -90,6 +91,22 @@ class Park(BaseException):
         self.deadline = deadline
 
 
+class BudgetPause(Park):
+    """The job went over its budget with ``on_exceed="pause"``: it parks
+    awaiting a top-up (``belay.top_up``), no thread and no lease held, and
+    runs again from its journal once the caps cover its spend."""
+
+    def __init__(self, job_id: int, step: str, need: tuple[int, int] = (0, 0)) -> None:
+        super().__init__(names.job_scope(job_id), budget.pause_name(need), None)
+        self.step = step
+        #: The headroom (micro-dollars, tokens) the step's ``max_cost`` asks for.
+        self.need = need
+
+    def __str__(self) -> str:
+        return (f"job paused over its budget at step {self.step!r}: belay.top_up(job_id, "
+                "usd=…, tokens=…) resumes it")
+
+
 class Sleep(BaseException):
     """A durable sleep that is not over: the job snoozes until ``until``."""
 
@@ -128,8 +145,11 @@ class Context:
     def __init__(
         self, execution: Execution, client: Belay, registry: Registry | None = None,
         *, notify: bool = False, rate: Rate | None = None,
+        on_budget: Callable[[BudgetNotice], None] | None = None,
     ) -> None:
         self._execution = execution
+        #: Where budget warnings and pauses are reported (the worker's hooks).
+        self._on_budget = on_budget
         self.client = client
         self._notify = notify
         #: The rate admission of the job's queue, if any (for ``debit``'s true-up).
@@ -146,6 +166,21 @@ class Context:
     def rate(self) -> Rate | None:
         """The rate admission of the job's queue (docs/queues.md), if it has one."""
         return self._rate
+
+    @property
+    def budget(self) -> Headroom:
+        """Where this job stands against its budget, read now: per unit the
+        cap, the spend and what is left (``usd_remaining``, ``tokens_remaining``;
+        None without a cap) and ``used``, the larger share of a cap spent. An
+        agent can read it in any step to pick a cheaper model or wrap up."""
+        with self.client.connection() as conn:
+            spend = store.budget_of(conn, self.id)
+        if spend is None:
+            return Headroom.of({"budget_usd_micros": self.job.budget_usd_micros,
+                                "spent_usd_micros": self.job.spent_usd_micros,
+                                "budget_tokens": self.job.budget_tokens,
+                                "spent_tokens": self.job.spent_tokens})
+        return Headroom.of(spend)
 
     @property
     def control(self) -> BaseException | None:
@@ -230,6 +265,7 @@ class Context:
         fn: Callable[[], T],
         *,
         cost: CostSpec[T] = None,
+        max_cost: Cost | Mapping[str, Any] | None = None,
     ) -> T | Any:
         """Run ``fn`` once per job, ever: its value is journaled under ``name`` and
         every later attempt gets the journaled value back without running it.
@@ -237,11 +273,16 @@ class Context:
         ``cost`` (``belay.Cost(usd=…, tokens=…)``, or a function of the value that
         returns one, for spend known only from the answer) is added to the job's
         spend in the same transaction as the journal entry; a job whose spend goes
-        over its budget fails with ``budget_exceeded``. A pending cancel request, a
-        lost lease or a timeout stop the job here, before ``fn`` runs.
+        over its budget fails with ``budget_exceeded``, or pauses for a top-up
+        with ``budget={..., "on_exceed": "pause"}``. ``max_cost`` is what the
+        step may cost at most (a unit left at 0 is not limited): it does not
+        start unless the budget has that much headroom left — the job fails or
+        pauses before it instead — and a step that cost more is reported (event
+        ``budget_step_overrun``). A pending cancel request, a lost lease or a
+        timeout stop the job here, before ``fn`` runs.
         """
         _check_step_name(name)
-        return self._step(name, fn, cost)
+        return self._step(name, fn, cost, max_cost)
 
     async def astep(
         self,
@@ -249,6 +290,7 @@ class Context:
         fn: Callable[[], Awaitable[T]],
         *,
         cost: CostSpec[T] = None,
+        max_cost: Cost | Mapping[str, Any] | None = None,
     ) -> T | Any:
         """:meth:`step` for async code: ``await ctx.astep(name, coroutine_function)``.
 
@@ -261,7 +303,8 @@ class Context:
         if self._in_step or _ASYNC_STEP.get() is self:
             raise self._nested(name)
         units = None if callable(cost) else cost_units(cost)
-        hit, value = await asyncio.to_thread(self.journal.lookup, name)
+        need = cost_units(max_cost)
+        hit, value = await asyncio.to_thread(self.journal.lookup, name, need)
         if hit:
             return value
         token = _ASYNC_STEP.set(self)
@@ -269,7 +312,7 @@ class Context:
             value = await fn()
         finally:
             _ASYNC_STEP.reset(token)
-        return await asyncio.to_thread(self.journal.record, name, value, cost, units)
+        return await asyncio.to_thread(self.journal.record, name, value, cost, units, need)
 
     def _nested(self, name: str) -> ValidationError:
         return ValidationError(
@@ -277,11 +320,13 @@ class Context:
             "after the outer step returns"
         )
 
-    def _step(self, name: str, fn: Callable[[], T], cost: CostSpec[T]) -> T | Any:
+    def _step(self, name: str, fn: Callable[[], T], cost: CostSpec[T],
+              max_cost: Cost | Mapping[str, Any] | None = None) -> T | Any:
         if self._in_step or _ASYNC_STEP.get() is self:
             raise self._nested(name)
         units = None if callable(cost) else cost_units(cost)
-        hit, value = self.journal.lookup(name)
+        need = cost_units(max_cost)
+        hit, value = self.journal.lookup(name, need)
         if hit:
             return value
         self._in_step = True
@@ -289,7 +334,7 @@ class Context:
             value = fn()
         finally:
             self._in_step = False
-        return self.journal.record(name, value, cost, units)
+        return self.journal.record(name, value, cost, units, need)
 
     # -- Events, signals, steering, sleep (§7, §8.1) ------------------------------------
 
@@ -457,11 +502,14 @@ class Journal:
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+        #: Warning thresholds this run knows were marked (no need to try again).
+        self._warned: set[float] = set()
 
-    def lookup(self, name: str) -> tuple[bool, Any]:
+    def lookup(self, name: str, need: tuple[int, int] = (0, 0)) -> tuple[bool, Any]:
         """The journaled value of step ``name`` as ``(True, value)``; else
         ``(False, None)`` once the pre-flight checks allow running it (the
-        run still owns its job, the budget is not spent). Raises
+        run still owns its job, the budget is not spent, and it has ``need``
+        (micro-dollars, tokens: the step's ``max_cost``) of headroom). Raises
         :class:`Interrupted`, :class:`CancelRequested` or
         :class:`BudgetExceeded` as ``ctx.step`` would."""
         ctx = self._ctx
@@ -471,11 +519,12 @@ class Journal:
         if found is not None and found["hit"]:
             return True, decode_value(found["value"])
         if found is not None:
-            self._preflight(found, name)
+            self._preflight(found, name, need)
         return False, None
 
     def record(self, name: str, value: T, cost: CostSpec[T] = None,
-               units: tuple[int, int] | None = None) -> T | Any:
+               units: tuple[int, int] | None = None,
+               limit: tuple[int, int] = (0, 0)) -> T | Any:
         """Journal ``value`` under ``name`` with its cost (a :class:`Cost`, a
         mapping, or a function of the value, as ``ctx.step`` takes), charged
         to the budget; returns the value that stands — another run's, if it
@@ -507,6 +556,12 @@ class Journal:
                 _, journaled = store.get_step(conn, job_id, name)
                 value = decode_value(journaled)
         if spend is not None:
+            if spend["journaled"] and _overran(units, limit):
+                self._announce({"type": "budget_step_overrun", "step": name,
+                                "cost_usd": usd_micros / 1_000_000, "cost_tokens": tokens,
+                                "max_usd": limit[0] / 1_000_000 if limit[0] else None,
+                                "max_tokens": limit[1] or None})
+            self._warn(spend, name)
             self._check_budget(spend, name)
         return value
 
@@ -524,26 +579,81 @@ class Journal:
                 "it gets the step's value and returns a belay.Cost, a dict or None"
             )) from exc
 
-    def _preflight(self, spend: Mapping[str, Any], name: str) -> None:
+    def _preflight(self, spend: Mapping[str, Any], name: str,
+                   need: tuple[int, int] = (0, 0)) -> None:
         """§8.2: before paying for a step, check the durable spend — a crash
         between journaling an over-budget step and the failing ack must not buy
         one more step on the next attempt. Also honours a cancel request (§8.6)."""
         if spend["cancel_requested"]:
             raise self._ctx._control(CancelRequested(f"job {self._ctx.id}: cancel requested"))
-        self._check_budget(spend, name)
+        # A warning a crash kept from being sent goes out before the next step.
+        self._warn(spend, name)
+        self._check_budget(spend, name, need)
 
-    def _check_budget(self, spend: Mapping[str, Any], name: str) -> None:
-        over_usd = (spend["budget_usd_micros"] is not None
-                    and spend["spent_usd_micros"] > spend["budget_usd_micros"])
-        over_tokens = (spend["budget_tokens"] is not None
-                       and spend["spent_tokens"] > spend["budget_tokens"])
-        if over_usd or over_tokens:
-            raise self._ctx._control(BudgetExceeded({
-                "error": "budget_exceeded", "step": name, "attempt": self._ctx.attempt,
-                "spent_usd_micros": spend["spent_usd_micros"],
-                "budget_usd_micros": spend["budget_usd_micros"],
-                "spent_tokens": spend["spent_tokens"], "budget_tokens": spend["budget_tokens"],
-            }))
+    def _warn(self, spend: Mapping[str, Any], name: str) -> None:
+        """Send each warning threshold the spend has reached, once per job: its
+        mark (signal ``$budget:warn:<fraction>`` in the job's scope) decides who
+        sends it, so a retry or a racing run doesn't send it again."""
+        ctx = self._ctx
+        headroom = Headroom.of(spend)
+        due = [t for t in budget.reached(budget.policy_of(ctx.meta).warn_at, headroom.used)
+               if t not in self._warned]
+        for threshold in due:
+            payload = {"type": "budget_warning", "threshold": threshold, "step": name,
+                       **headroom.to_dict()}
+            if self._announce(payload, mark=budget.mark_name(threshold)):
+                self._report(BudgetNotice.of(ctx.job, "warning", name, headroom, threshold))
+            self._warned.add(threshold)
+
+    def _announce(self, payload: dict[str, Any], mark: str | None = None) -> bool:
+        """Append ``payload`` to the job's events (and wake its subscribers);
+        with a ``mark``, only if this call journaled it. True when appended."""
+        ctx = self._ctx
+        body = dumps_object(payload, what="a budget event").decode()
+        now = ctx.client.clock.now()
+        with ctx.client.transaction() as conn:
+            if mark is not None and not store.budget_mark(conn, ctx.id, mark, body, now):
+                return False
+            seq = store.append_event(conn, ctx.id, body, now)
+            if ctx._notify:
+                store.notify(conn, ctx.client.notify_channel(conn),
+                             [store.event_payload(ctx.id, seq)])
+        return True
+
+    def _report(self, notice: BudgetNotice) -> None:
+        hook = self._ctx._on_budget
+        if hook is not None:
+            hook(notice)
+
+    def _check_budget(self, spend: Mapping[str, Any], name: str,
+                      need: tuple[int, int] = (0, 0)) -> None:
+        """Spend over a cap, or a step's ``max_cost`` (``need``) more than the
+        headroom left: the job pauses for a top-up (``on_exceed="pause"``) or
+        fails with ``budget_exceeded`` (the default)."""
+        over = budget.exceeded(spend)
+        if not over and not budget.exceeded(spend, need):
+            return
+        ctx = self._ctx
+        headroom = Headroom.of(spend)
+        short = {} if over else {"max_usd": need[0] / 1_000_000, "max_tokens": need[1]}
+        if budget.policy_of(ctx.meta).pauses:
+            self._announce({"type": "budget_paused", "step": name, **headroom.to_dict(),
+                            **short})
+            self._report(BudgetNotice.of(ctx.job, "paused", name, headroom))
+            raise ctx._control(BudgetPause(ctx.id, name, (0, 0) if over else need))
+        self._report(BudgetNotice.of(ctx.job, "exceeded", name, headroom))
+        raise ctx._control(BudgetExceeded({
+            "error": "budget_exceeded", "step": name, "attempt": ctx.attempt,
+            "spent_usd_micros": spend["spent_usd_micros"],
+            "budget_usd_micros": spend["budget_usd_micros"],
+            "spent_tokens": spend["spent_tokens"], "budget_tokens": spend["budget_tokens"],
+            **({} if over else {"max_cost_usd_micros": need[0], "max_cost_tokens": need[1]}),
+        }))
+
+
+def _overran(units: tuple[int, int], limit: tuple[int, int]) -> bool:
+    """A step cost more than its ``max_cost`` in a unit that has one."""
+    return any(bound and spent > bound for spent, bound in zip(units, limit, strict=True))
 
 
 #: ``budget=SHARE`` for children: an even share of what the parent has left.

@@ -3,7 +3,8 @@
 The agent plans an evening: it looks up the weather, asks to book a table (a tool
 that needs approval), and answers. Its model is PydanticAI's ``FunctionModel``
 playing a script, so no API key is needed; everything else is real — the journal,
-the spend against a budget, the live event stream, the park on a signal.
+the spend against a budget (a token cap it crosses: the run pauses until an
+operator tops it up), the live event stream, the park on a signal.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from belay.runner import Worker
 Say = Callable[[str], None]
 
 KIND = "demo.evening_planner"
+#: The run's token cap: its first model call goes over it, so it pauses.
+TOKEN_CAP = 40
+#: What the operator adds when it pauses.
+TOP_UP_TOKENS = 10_000
 
 
 def _agent(calls: list[int]) -> Any:
@@ -88,6 +93,16 @@ def _describe(payload: dict[str, Any]) -> str | None:
     return None
 
 
+def _parked(client: Belay, job_id: int) -> Any:
+    """The job once it is parked (its park is written just after its event)."""
+    deadline = time.monotonic() + 30
+    while (row := client.get_job(job_id)) is None or row.state != "awaiting":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the agent job {job_id} never parked")
+        time.sleep(0.05)
+    return row
+
+
 def tour(client: Belay, say: Say, approve: Callable[[], bool]) -> None:
     """Run the agent job on ``client`` with a worker of its own, narrating it."""
     calls: list[int] = []
@@ -102,27 +117,35 @@ def tour(client: Belay, say: Say, approve: Callable[[], bool]) -> None:
 
     say("a PydanticAI agent as a belay job (a scripted model: no API key, real everything else)")
     job = client.enqueue(KIND, {"ask": "Dinner outside in Lisbon tonight?"}, queue="ai",
-                         budget={"usd": 0.05})
+                         budget={"usd": 0.05, "tokens": TOKEN_CAP, "on_exceed": "pause"})
+    say(f"  its budget: $0.05 and {TOKEN_CAP} tokens; over a cap it pauses for a top-up")
     runner = Worker({"ai": 1}, client=client, registry=registry, busy_poll=0.02,
                     poll_interval=0.1, notify=True)
+    before = 0
     with runner:
-        events = client.subscribe_events(job.id, timeout=30)
+        events = client.subscribe_events(job.id, timeout=60)
         for event in events:
             line = _describe(event.payload)
             if line is not None:
                 say(f"  event {event.seq:>2}: the agent {line}")
-            if event.payload.get("type") == "pydantic_ai.input_requested":
+            kind = event.payload.get("type")
+            if kind == "budget_paused":
+                row = _parked(client, job.id)
+                say(f"  job {job.id} paused over its budget after {row.spent_tokens} tokens "
+                    f"(cap {row.budget_tokens}), parked on {row.await_name!r}: no thread, no "
+                    "lease")
+                topped = client.top_up(job.id, tokens=TOP_UP_TOKENS)
+                say(f"  an operator tops it up by {TOP_UP_TOKENS} tokens "
+                    f"(`belay top-up {job.id} --tokens {TOP_UP_TOKENS}`): it is {topped.state} "
+                    "again and resumes from its journal, paying for no call twice")
+            elif kind == "pydantic_ai.input_requested":
+                row = _parked(client, job.id)
+                signal = row.await_name or ""
+                say(f"  job {job.id} is parked on {signal!r}: no thread, no lease, no cost")
+                before = len(calls)
+                approved = approve()
+                client.signal_job(job.id, signal, {"approvals": {"b1": approved}})
                 break
-        deadline = time.monotonic() + 30
-        while (row := client.get_job(job.id)) is None or row.state != "awaiting":
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the agent job {job.id} never parked")
-            time.sleep(0.05)
-        signal = row.await_name or ""
-        say(f"  job {job.id} is parked on {signal!r}: no thread, no lease, no cost")
-        before = len(calls)
-        approved = approve()
-        client.signal_job(job.id, signal, {"approvals": {"b1": approved}})
         with contextlib.suppress(JobFailed, JobCancelled):
             client.await_result(job.id, timeout=30)
     done = client.get_job(job.id)
@@ -131,8 +154,8 @@ def tour(client: Belay, say: Say, approve: Callable[[], bool]) -> None:
     say(f"  → {done.state}: {done.result}")
     say(f"  model calls paid for: {len(calls)} — after the signal the job ran again from the "
         f"top, replaying {before} from the journal and paying for {len(calls) - before}")
-    say(f"  spent ${done.spent_usd:.6f} and {done.spent_tokens} tokens of a $0.05 budget; "
-        f"journal:")
+    say(f"  spent ${done.spent_usd:.6f} of $0.05 and {done.spent_tokens} of "
+        f"{done.budget_tokens} tokens; journal:")
     for step in client.steps(job.id):
         say(f"    {step.seq}. {step.name}")
 

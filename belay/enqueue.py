@@ -13,6 +13,7 @@ from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Any, Final, Literal, NamedTuple
 
 from belay import names
+from belay.budget import BUDGET_KEYS, POLICY_KEY, parse_policy
 from belay.codec import dumps, dumps_object
 from belay.errors import ValidationError
 
@@ -193,7 +194,7 @@ def build_row(spec: JobSpec, now: datetime, definition: Any = None) -> Row:
         unique_key, unique_mode = internal["unique_key"], internal["unique_mode"]
     else:
         unique_key, unique_mode = _unique(opt("unique", None), now)
-    budget_usd_micros, budget_tokens = _budget(opt("budget", None))
+    budget_usd_micros, budget_tokens, policy = _budget(opt("budget", None))
 
     partition_key = spec.partition_key
     if partition_key is not None:
@@ -206,6 +207,10 @@ def build_row(spec: JobSpec, now: datetime, definition: Any = None) -> Row:
 
     input_ = spec.input if spec.input is not None else {}
     meta = spec.meta if spec.meta is not None else defaults.get("meta", {})
+    if policy is not None:
+        if not isinstance(meta, Mapping):
+            raise ValidationError(f"meta must be a dict, got {type(meta).__name__}")
+        meta = {**meta, POLICY_KEY: policy}
     deps, ignore = internal.get("wf_deps"), internal.get("wf_ignore")
 
     return Row(
@@ -342,21 +347,26 @@ def _unique(unique: Any, now: datetime) -> tuple[str | None, str | None]:
     return key, mode
 
 
-def _budget(budget: Any) -> tuple[int | None, int | None]:
+def _budget(budget: Any) -> tuple[int | None, int | None, dict[str, Any] | None]:
+    """The caps of an enqueue's ``budget=`` and its policy's ``meta`` entry
+    (None for the default policy: fail at the crossing, warn at 50 % and 80 %)."""
     if budget is None:
-        return None, None
+        return None, None, None
     if not isinstance(budget, Mapping):
         raise ValidationError(
             f"budget must be a dict like {{'usd': 1.5, 'tokens': 20000}}, got {budget!r}"
         )
-    unknown = sorted(set(budget) - {"usd", "tokens"})
+    unknown = sorted(set(budget) - set(BUDGET_KEYS))
     if unknown:
         raise ValidationError(
-            f"unknown budget key(s) {', '.join(map(repr, unknown))}; use 'usd' and 'tokens'"
+            f"unknown budget key(s) {', '.join(map(repr, unknown))}; use "
+            f"{', '.join(map(repr, BUDGET_KEYS))}"
         )
     usd, tokens = budget.get("usd"), budget.get("tokens")
+    policy = parse_policy(budget, has_cap=usd is not None or tokens is not None)
     return (None if usd is None else usd_to_micros(usd, what="budget usd"),
-            None if tokens is None else _int("budget tokens", tokens, 0, _INT64[1]))
+            None if tokens is None else _int("budget tokens", tokens, 0, _INT64[1]),
+            policy.to_meta())
 
 
 def usd_to_micros(usd: Any, *, what: str) -> int:

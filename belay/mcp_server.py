@@ -91,12 +91,13 @@ def instructions(guard: ops.Guard) -> str:
         "workflow_status (a workflow's members and edges).\n"
         "Mutating tools: retry_job (a failed or cancelled job), cancel_job, signal "
         "(deliver a named signal to a job), steer_job (guidance the job's code reads with "
-        f"ctx.steering()). {mode}"
+        "ctx.steering()), top_up (raise a job's budget; a job paused over it resumes). "
+        f"{mode}"
     )
 
 
 def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
-    """The MCP server over ``client``: five read tools and the four mutations of
+    """The MCP server over ``client``: the read tools and the mutations of
     :data:`belay.ops.MUTATIONS`, each checked by ``guard``. Tool functions are
     sync; the SDK runs them in worker threads, off the event loop."""
     server: MCPServer[Any] = MCPServer(
@@ -234,6 +235,18 @@ def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
         {"instruction": "…"}; the job's code reads the latest with
         ctx.steering()."""
         return mutation("steer_job", {"job_id": job_id, "payload": payload})
+
+    @tool(writes(destructive=False, idempotent=False), note=_MUTATION_NOTE)
+    def top_up(
+        job_id: JobId,
+        usd: Annotated[float | None, Field(description="dollars added to the USD cap")] = None,
+        tokens: Annotated[int | None, Field(description="tokens added to the token cap")
+                          ] = None,
+    ) -> dict[str, Any]:
+        """Raise a job's budget caps. A job paused over its budget (awaiting
+        $top_up) resumes from its journal once the caps cover its spend (resumed
+        says whether it did); its paid steps are not paid again."""
+        return mutation("top_up", {"job_id": job_id, "usd": usd, "tokens": tokens})
 
     @tool(read)
     def schedules() -> dict[str, Any]:

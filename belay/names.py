@@ -10,6 +10,8 @@ _UNSAFE = re.compile(rb"[^A-Za-z0-9_]")
 _MAX_IDENTIFIER = 63
 
 STEER = "$steer"
+#: What a job paused by its budget (on_exceed="pause") awaits: belay.top_up.
+TOP_UP = "$top_up"
 CHILDREN = "$children"
 RESERVED_PREFIX = "$"
 

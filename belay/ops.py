@@ -22,13 +22,14 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from belay import names, store
+from belay.budget import check_top_up
 from belay.codec import Opaque
 from belay.errors import BelayError, ConfigurationError, JobNotFound, ValidationError
 from belay.job import STATES, Event, Job, Step, WorkflowStatus
 from belay.outcome import describe, message_of
 
 #: The mutations every surface offers, by the MCP tool name each has.
-MUTATIONS: Final = ("retry_job", "cancel_job", "signal", "steer_job", "schedule",
+MUTATIONS: Final = ("retry_job", "cancel_job", "signal", "steer_job", "top_up", "schedule",
                      "cancel_schedule")
 
 #: How far back a queue's "rate" looks: jobs finished per minute.
@@ -38,6 +39,7 @@ RATE_WINDOW = timedelta(seconds=60)
 MUTATION_ARGS: Final[Mapping[str, tuple[str, ...]]] = {
     "retry_job": ("job_id",), "cancel_job": ("job_id",),
     "signal": ("job_id", "name", "payload"), "steer_job": ("job_id", "payload"),
+    "top_up": ("job_id", "usd", "tokens"),
     "schedule": ("name", "expression", "worker", "input", "overlap", "catch_up", "options"),
     "cancel_schedule": ("name",),
 }
@@ -421,6 +423,13 @@ def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dic
         guard.check(tool, {"job_id": job_id, "payload": payload})
         woken = client.steer_job(job_id, payload)
         return {"job_id": job_id, "steered": True, "woken": woken}
+    if tool == "top_up":
+        usd, tokens = args.get("usd"), args.get("tokens")
+        check_top_up(usd, tokens)
+        _exists(client, job_id)
+        guard.check(tool, {"job_id": job_id, "usd": usd, "tokens": tokens})
+        job, resumed = client._top_up(job_id, usd, tokens)
+        return {"job_id": job_id, "resumed": resumed, "job": job_view(job)}
     guard.check(tool, {"job_id": job_id})
     if tool == "cancel_job":
         return {"job_id": job_id, "status": client.cancel_job(job_id)}

@@ -330,7 +330,7 @@ class _RecordedJournal(Journal):
         super().__init__(ctx)
         self._replay = ctx
 
-    def lookup(self, name: str) -> tuple[bool, Any]:
+    def lookup(self, name: str, need: tuple[int, int] = (0, 0)) -> tuple[bool, Any]:
         return True, self._replay._serve("step", name)
 
 

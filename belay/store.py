@@ -18,10 +18,11 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import set_json_loads
 
-from belay import names
+from belay import budget, names
 from belay.codec import dumps, loads
 from belay.connect import pooler_error
 from belay.enqueue import Row
+from belay.errors import JobNotFound, ValidationError
 from belay.job import PARKED, TERMINAL, Event, Job, Step
 from belay.queues import QueueSpec, rate_admits, rate_allowance
 from belay.settle import Member, settle
@@ -534,12 +535,55 @@ def park_await(
     state written ("awaiting" or "ready"), or None for a stale attempt.
     Atomic: run inside a transaction.
     """
-    lock(conn, names.signal_lock(scope))
     params = {"id": job_id, "attempt": attempt, "scope": scope, "name": name,
               "deadline": deadline, "now": now}
+    need = budget.pause_need(name) if scope == names.job_scope(job_id) else None
+    if need is not None:
+        # A budget pause waits on the caps, not on a signal: it parks unless
+        # a top-up already covers the spend (read under the row lock).
+        found = _rows(conn, "budget_of_for_update", (job_id,))
+        if found and not budget.exceeded(found[0], need):
+            return "ready" if _execute(conn, "park_ready", params) else None
+        return "awaiting" if _execute(conn, "park_await", params) else None
+    lock(conn, names.signal_lock(scope))
     if _value(conn, "signal_exists", (scope, name)) is not None:
         return "ready" if _execute(conn, "park_ready", params) else None
     return "awaiting" if _execute(conn, "park_await", params) else None
+
+
+def top_up(conn: Conn, job_id: int, usd_micros: int, tokens: int, now: datetime
+           ) -> tuple[Job, bool]:
+    """Raise a job's caps by ``usd_micros`` and ``tokens``; a job paused awaiting
+    a top-up whose spend they now cover becomes ready (then the second value
+    is True, and the caller pokes its queue). Refused (ValidationError) for a
+    finished job and for a cap the job doesn't have. Run in a transaction."""
+    job = get_job(conn, job_id, for_update=True)
+    if job is None:
+        raise JobNotFound(job_id)
+    if job.terminal:
+        raise ValidationError(budget.top_up_refusal(job))
+    usd = budget.raised(job.budget_usd_micros, usd_micros, "USD", job_id)
+    more = budget.raised(job.budget_tokens, tokens, "token", job_id)
+    need = budget.pause_need(job.await_name) if job.state == "awaiting" else None
+    wake = need is not None and not budget.exceeded({
+        "budget_usd_micros": usd, "spent_usd_micros": job.spent_usd_micros,
+        "budget_tokens": more, "spent_tokens": job.spent_tokens}, need)
+    rows = _rows(conn, "top_up", {"id": job_id, "usd_micros": usd, "tokens": more,
+                                  "wake": wake, "now": now})
+    return Job.from_row(rows[0]), wake
+
+
+def budget_of(conn: Conn, job_id: int) -> dict[str, Any] | None:
+    """The four budget columns of a job (None: no such job)."""
+    found = _rows(conn, "budget_of", (job_id,))
+    return found[0] if found else None
+
+
+def budget_mark(conn: Conn, job_id: int, name: str, payload_json: str, now: datetime) -> bool:
+    """Write a budget warning's once-only mark; True for the one writer that
+    inserted it."""
+    return bool(_rows(conn, "budget_mark", {"scope": names.job_scope(job_id), "name": name,
+                                            "payload": payload_json, "now": now}))
 
 
 # -- Claim, leases, acks, reclaim (§6, §7) -----------------------------------------

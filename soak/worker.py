@@ -54,7 +54,7 @@ def _break(rule: str) -> None:
     if rule == "budget":
         from belay.context import Journal
 
-        def no_budget(self: Journal, spend: Any, name: str) -> None:
+        def no_budget(self: Journal, spend: Any, name: str, need: Any = (0, 0)) -> None:
             return None
 
         Journal._check_budget = no_budget  # type: ignore[method-assign]

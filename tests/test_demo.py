@@ -54,6 +54,8 @@ def test_the_agent_demo_runs_a_pydantic_ai_agent_through_an_approval(db_url):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "the agent asks to approve book_table" in out
+    assert "paused over its budget after" in out and "parked on '$top_up'" in out
+    assert "an operator tops it up by 10000 tokens" in out
     assert "→ succeeded: Sunny in Lisbon" in out
     assert "model calls paid for: 3" in out and "replaying 2 from the journal" in out
     with psycopg.connect(db_url) as conn:

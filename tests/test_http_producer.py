@@ -648,7 +648,8 @@ def test_openapi_document(client: belay.Belay) -> None:
         assert http.get("/workers/ping").text == "pong"
     assert doc["openapi"] == "3.1.0"
     assert set(doc["paths"]) == {"/jobs", "/jobs/{job_id}", "/jobs/{job_id}/result",
-                                 "/jobs/{job_id}/signals/{name}", "/jobs/{job_id}/events",
+                                 "/jobs/{job_id}/signals/{name}", "/jobs/{job_id}/top_up",
+                                 "/jobs/{job_id}/events",
                                  "/jobs/{job_id}/events/stream", "/schedules",
                                  "/schedules/{schedule_id}", "/workers/ping"}
     assert set(doc["components"]["schemas"]["Error"]["properties"]["error"]["properties"]

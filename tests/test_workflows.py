@@ -255,7 +255,8 @@ def test_job_options_are_checked_at_add_naming_the_member() -> None:
     assert refused(lambda: belay.Workflow("w").add("a", "")) == (
         "workflow member 'a': kind must be a non-empty worker name")
     assert refused(lambda: belay.Workflow("w").add("a", "k", budget={"dollars": 1})) == (
-        "workflow member 'a': unknown budget key(s) 'dollars'; use 'usd' and 'tokens'")
+        "workflow member 'a': unknown budget key(s) 'dollars'; use 'usd', 'tokens', 'on_exceed', "
+        "'warn_at'")
     assert len(belay.Workflow("w")) == 0
 
 

@@ -60,6 +60,7 @@ SECURITY_HEADERS: tuple[tuple[str, str], ...] = (
 #: The page's actions, by the ops.MUTATIONS tool each one runs.
 ACTIONS: Mapping[str, str] = {
     "retry": "retry_job", "cancel": "cancel_job", "signal": "signal", "steer": "steer_job",
+    "top-up": "top_up",
 }
 STATIC: Mapping[str, str] = {
     "dashboard.css": "text/css; charset=utf-8",
@@ -198,7 +199,7 @@ class Dashboard:
                 if match is None or match[2] not in ACTIONS:
                     raise _Failure(404 if _known_get(path) is None else 405,
                                    f"no action at POST {path}; actions are POST "
-                                   "/api/jobs/<id>/retry, cancel, signal or steer")
+                                   "/api/jobs/<id>/retry, cancel, signal, steer or top-up")
                 return self._mutate(request, access, match[1], ACTIONS[match[2]])
             if request.method not in ("GET", "HEAD"):
                 raise _Failure(405, f"{request.method} is not served here")

@@ -291,6 +291,10 @@ def actions(page: Page) -> Safe:
         '<form id="steer-form" class="inline" autocomplete="off">'
         '<input id="steer-text" placeholder="steering instruction" size="28" required>'
         '<button type="submit">Steer</button></form>'
+        '<form id="top-up-form" class="inline" autocomplete="off">'
+        '<input id="top-up-usd" placeholder="+ USD" size="7" inputmode="decimal">'
+        '<input id="top-up-tokens" placeholder="+ tokens" size="9" inputmode="numeric">'
+        '<button type="submit">Top up</button></form>'
         '<span id="action-status" class="status" role="status"></span></section>')
 
 

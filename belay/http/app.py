@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from belay import ops
 from belay.client import Belay
 from belay.codec import dumps
 from belay.errors import INVALID, JobNotFound, SchemaError, ValidationError, database_failure
@@ -86,6 +87,7 @@ def build_app(
         Route("/jobs/{job_id}", api.guarded(api.cancel), methods=["DELETE"]),
         Route("/jobs/{job_id}/result", api.guarded(api.result), methods=["GET"]),
         Route("/jobs/{job_id}/signals/{name}", api.guarded(api.signal), methods=["POST"]),
+        Route("/jobs/{job_id}/top_up", api.guarded(api.top_up), methods=["POST"]),
         Route("/jobs/{job_id}/events", api.guarded(api.events), methods=["GET"]),
         Route("/jobs/{job_id}/events/stream", api.guarded(api.stream), methods=["GET"]),
         Route("/schedules", api.guarded(schedules.declare), methods=["POST"]),
@@ -262,6 +264,23 @@ class _Api:
         woken = await run_in_threadpool(deliver)
         return json_response({"type": "signal", "id": job_id, "signal": name,
                               "woken": woken})
+
+    async def top_up(self, request: Request) -> Response:
+        job_id = _job_id(request)
+        body = await self._json_body(request, required=True)
+        if not isinstance(body, dict):
+            raise invalid('a top-up is a JSON object like {"usd": 2.5} or {"tokens": 10000}')
+        unknown = sorted(set(body) - {"usd", "tokens"})
+        if unknown:
+            raise invalid(f"a top-up takes usd and tokens; unknown field(s) {', '.join(unknown)}")
+
+        def raise_caps() -> dict[str, Any]:
+            return ops.mutate(self.client, ops.Guard(allow=True), "top_up",
+                              {"job_id": job_id, **body})
+
+        done = await run_in_threadpool(raise_caps)
+        return json_response({"type": "top_up", "id": job_id, "resumed": done["resumed"],
+                              "job": done["job"]})
 
     async def events(self, request: Request) -> Response:
         job_id = _job_id(request)

@@ -94,7 +94,11 @@ _OPTIONS: Final = {
         "budget": {
             "type": "object", "additionalProperties": False,
             "properties": {"usd": {"type": "number", "minimum": 0, "maximum": 1e12},
-                           "tokens": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}},
+                           "tokens": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+                           "on_exceed": {"enum": ["fail", "pause"]},
+                           "warn_at": {"type": "array", "maxItems": 8, "items": {
+                               "type": "number", "exclusiveMinimum": 0,
+                               "exclusiveMaximum": 1}}},
         },
         "backoff": {
             "type": "object", "additionalProperties": False,
@@ -186,6 +190,27 @@ def _paths() -> dict[str, Any]:
                         "409": _error("result_not_ready, task_failed or task_cancelled"),
                         "410": _error("result_missing: succeeded with no stored result"),
                         **_COMMON}},
+        },
+        "/jobs/{job_id}/top_up": {
+            "parameters": [_JOB_ID],
+            "post": {"operationId": "topUpJob", "summary": "Raise a job's budget caps",
+                     "description": "Adds usd dollars and/or tokens to the job's caps. A job "
+                                    "paused over its budget (on_exceed 'pause') resumes "
+                                    "from its journal once the caps cover its spend.",
+                     "requestBody": {"required": True, "content": {
+                         "application/json": {"schema": {
+                             "type": "object", "additionalProperties": False,
+                             "properties": {"usd": {"type": "number", "minimum": 0},
+                                            "tokens": {"type": "integer", "minimum": 0}}}}}},
+                     "responses": {"200": _json({
+                         "type": "object", "required": ["type", "id", "resumed", "job"],
+                         "properties": {"type": {"const": "top_up"}, "id": {"type": "integer"},
+                                        "resumed": {"type": "boolean"}, "job": _JOB}},
+                         "the caps were raised; resumed says whether a paused job woke"),
+                         "400": _error("invalid: no amount, a cap the job doesn't have, or a "
+                                       "finished job"),
+                         "404": _NOT_FOUND,
+                         "415": _error("unsupported_media_type"), **_COMMON}},
         },
         "/jobs/{job_id}/signals/{name}": {
             "parameters": [_JOB_ID, {"name": "name", "in": "path", "required": True,

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from belay.budget import BudgetNotice
 from belay.job import Job
 from belay.outcome import safe_repr
 from belay.parts.execution import Execution
@@ -67,9 +68,19 @@ class Hooks:
     def __init__(self) -> None:
         self.start: list[Callable[[Job], None]] = []
         self.end: list[Callable[[JobEnd], None]] = []
+        self.budget: list[Callable[[BudgetNotice], None]] = []
         self._lock = threading.Lock()
         #: Executions whose start was reported and whose end not yet.
         self._open: set[tuple[int, int]] = set()
+
+    def budget_notice(self, notice: BudgetNotice) -> None:
+        """Tell the ``on_budget`` hooks, on the job's thread; a hook that
+        raises is logged, never the job's failure."""
+        for hook in self.budget:
+            try:
+                hook(notice)
+            except BaseException:
+                log.exception("belay: on_budget hook %s failed", safe_repr(hook))
 
     def started(self, execution: Execution) -> None:
         """Report an execution's start, on its thread, before the function runs."""

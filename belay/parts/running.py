@@ -243,7 +243,8 @@ class JobRunner:
         owner = execution.owner
         spec = owner.spec if owner is not None else self._spec_for(execution.job.queue)
         return Context(execution, self.client, self.registry, notify=self.notify,
-                       rate=None if spec is None else spec.rate)
+                       rate=None if spec is None else spec.rate,
+                       on_budget=self.hooks.budget_notice if self.hooks.budget else None)
 
     def conclude(self, execution: Execution, returned: Any, raised: BaseException | None,
                  *, outcome: Outcome | None = None) -> str:

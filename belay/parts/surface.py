@@ -10,6 +10,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 
+from belay.budget import BudgetNotice
 from belay.job import Job
 from belay.parts.executor import ThreadExecutor
 from belay.parts.hooks import Hooks, JobEnd
@@ -43,6 +44,15 @@ class HookMethods:
         """Call ``hook(JobEnd)`` once after every execution that started (for
         metrics); usable as a decorator. A hook that raises is logged."""
         self.hooks.end.append(hook)
+        return hook
+
+    def on_budget(self, hook: Callable[[BudgetNotice], None]
+                  ) -> Callable[[BudgetNotice], None]:
+        """Call ``hook(BudgetNotice)`` when a job reaches a budget warning
+        threshold (once per threshold per job), pauses over its budget or fails
+        over it; usable as a decorator. On the job's thread, in-process runs
+        only. A hook that raises is logged."""
+        self.hooks.budget.append(hook)
         return hook
 
     def on_stop(self, hook: Callable[[], None]) -> Callable[[], None]:

@@ -433,6 +433,39 @@ SET state = 'ready', ready_at = %(now)s, await_scope = NULL, await_name = NULL,
     attempt = attempt - 1, lease_until = NULL, leased_by = NULL
 WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s;
 
+-- name: top_up
+-- New caps for a job, and a job parked awaiting a top-up made ready when
+-- they cover its spend (%(wake)s); the caller decided both under FOR UPDATE.
+UPDATE belay_jobs
+SET budget_usd_micros = %(usd_micros)s, budget_tokens = %(tokens)s,
+    state = CASE WHEN %(wake)s THEN 'ready' ELSE state END,
+    ready_at = CASE WHEN %(wake)s THEN %(now)s::timestamptz ELSE ready_at END,
+    await_scope = CASE WHEN %(wake)s THEN NULL ELSE await_scope END,
+    await_name = CASE WHEN %(wake)s THEN NULL ELSE await_name END
+WHERE id = %(id)s
+RETURNING {job_columns};
+
+-- name: budget_mark
+-- A budget warning's once-only mark: signal $budget:warn:<fraction> in the
+-- job's scope (reserved name; no job awaits it), written once. A row comes
+-- back only to the writer that inserted it, which then appends the warning
+-- event. Not in the step journal: that holds the job's own steps only.
+INSERT INTO belay_signals (scope, name, payload, inserted_at)
+VALUES (%(scope)s, %(name)s, %(payload)s::jsonb, %(now)s)
+ON CONFLICT (scope, name) DO NOTHING
+RETURNING name;
+
+-- name: budget_of
+-- What ctx.budget reads: the four budget columns.
+SELECT spent_usd_micros, spent_tokens, budget_usd_micros, budget_tokens
+FROM belay_jobs WHERE id = %s;
+
+-- name: budget_of_for_update
+-- The same, with the row locked: a budget park decides on the latest caps
+-- (a top-up that committed meanwhile is seen; one after waits for the park).
+SELECT spent_usd_micros, spent_tokens, budget_usd_micros, budget_tokens
+FROM belay_jobs WHERE id = %s FOR UPDATE;
+
 -- name: claim_queues
 -- The plain claim for several queues in one statement (one round trip, one
 -- commit), up to its own take for each: a node serving many queues claims

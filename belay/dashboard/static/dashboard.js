@@ -386,6 +386,11 @@
   function describe(action, data) {
     if (action === "cancel") return "cancel: " + data.status;
     if (action === "retry") return "retried: the job is " + data.job.state + " again";
+    if (action === "top-up") {
+      if (data.resumed) return "topped up: the job resumes";
+      const paused = (data.job.await_name || "").startsWith("$top_up");
+      return "topped up" + (paused ? ": still paused, a cap is still short" : "");
+    }
     const woke = data.woken.length ? " (woke job " + data.woken.join(", ") + ")" : "";
     if (action === "signal") return "signal " + data.signal + " delivered" + woke;
     return "steering delivered" + woke;
@@ -479,6 +484,22 @@
           }
         }
         act("signal", { name: name, payload: payload });
+      });
+    }
+    const topUpForm = document.getElementById("top-up-form");
+    if (topUpForm) {
+      topUpForm.addEventListener("submit", (event) => {
+        event.preventDefault();
+        const args = {};
+        const usd = document.getElementById("top-up-usd").value.trim();
+        const tokens = document.getElementById("top-up-tokens").value.trim();
+        if (usd) args.usd = Number(usd);
+        if (tokens) args.tokens = Number(tokens);
+        if ((usd && !Number.isFinite(args.usd)) || (tokens && !Number.isInteger(args.tokens))) {
+          status("a top-up is dollars and/or a whole number of tokens", false);
+          return;
+        }
+        act("top-up", args);
       });
     }
     const steerForm = document.getElementById("steer-form");
