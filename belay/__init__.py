@@ -186,11 +186,13 @@ def enqueue(
     encrypt: bool | None = None,
     conn: Conn | None = None,
     session: Any = None,
+    watchdog: Mapping[str, Any] | None = None,
 ) -> Job:
     return default().enqueue(
         kind, input, queue=queue, priority=priority, delay=delay, run_at=run_at,
         max_attempts=max_attempts, unique=unique, budget=budget, meta=meta,
         partition_key=partition_key, encrypt=encrypt, conn=conn, session=session,
+        watchdog=watchdog,
     )
 
 

@@ -391,13 +391,16 @@ class Belay:
         encrypt: bool | None = None,
         conn: Conn | None = None,
         session: Any = None,
+        watchdog: Mapping[str, Any] | None = None,
     ) -> Job:
         """Insert one job; with a ``unique`` key already held, return the holder
         flagged ``duplicate=True`` instead (§5.2). ``encrypt=True`` stores the
         input AES-256-GCM-encrypted with the client's ``encryption_key``.
-        ``session=`` is another name for ``conn=`` (a framework's session)."""
+        ``session=`` is another name for ``conn=`` (a framework's session).
+        ``watchdog={"repeats": 3, "stall": 600, "on_trip": "pause"}`` stops a
+        run that makes no progress (:mod:`belay.watchdog`)."""
         spec = JobSpec(kind, input, queue, priority, delay, run_at, max_attempts, unique,
-                       budget, meta, partition_key, encrypt)
+                       budget, meta, partition_key, encrypt, watchdog)
         return self.enqueue_many([spec], conn=_conn_or_session(conn, session))[0]
 
     def enqueue_many(

@@ -18,8 +18,10 @@ from belay.errors import BudgetExceeded as BudgetExceeded
 from belay.errors import CancelRequested as CancelRequested
 from belay.errors import ConfigurationError, ValidationError
 from belay.errors import Interrupted as Interrupted
+from belay.errors import NoProgress as NoProgress
 from belay.errors import StepValueRefused as StepValueRefused
 from belay.parts.execution import Execution as Execution
+from belay.watchdog import Repeats, Watchdog, watchdog_of
 
 if TYPE_CHECKING:
     from belay.client import Belay
@@ -146,8 +148,13 @@ class Context:
         self, execution: Execution, client: Belay, registry: Registry | None = None,
         *, notify: bool = False, rate: Rate | None = None,
         on_budget: Callable[[BudgetNotice], None] | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self._execution = execution
+        #: The no-progress watchdog guarding this run: the job's own, else the worker's.
+        self._watchdog = watchdog_of(execution.job.meta, watchdog)
+        if self._watchdog is not None:
+            execution.watch_stall(self._watchdog)
         #: Where budget warnings and pauses are reported (the worker's hooks).
         self._on_budget = on_budget
         self.client = client
@@ -169,18 +176,10 @@ class Context:
 
     @property
     def budget(self) -> Headroom:
-        """Where this job stands against its budget, read now: per unit the
-        cap, the spend and what is left (``usd_remaining``, ``tokens_remaining``;
-        None without a cap) and ``used``, the larger share of a cap spent. An
-        agent can read it in any step to pick a cheaper model or wrap up."""
-        with self.client.connection() as conn:
-            spend = store.budget_of(conn, self.id)
-        if spend is None:
-            return Headroom.of({"budget_usd_micros": self.job.budget_usd_micros,
-                                "spent_usd_micros": self.job.spent_usd_micros,
-                                "budget_tokens": self.job.budget_tokens,
-                                "spent_tokens": self.job.spent_tokens})
-        return Headroom.of(spend)
+        """Where this job stands against its budget, read now (:class:`Headroom`:
+        caps, spend, ``usd_remaining``, ``tokens_remaining``, ``used``), to pick
+        a cheaper model or wrap up."""
+        return _headroom(self)
 
     @property
     def control(self) -> BaseException | None:
@@ -504,6 +503,10 @@ class Journal:
         self._ctx = ctx
         #: Warning thresholds this run knows were marked (no need to try again).
         self._warned: set[float] = set()
+        watchdog = ctx._watchdog
+        #: The steps this run journaled, when a watchdog looks for repeats.
+        self._repeats = (None if watchdog is None or watchdog.repeats is None
+                         else Repeats(watchdog.repeats))
 
     def lookup(self, name: str, need: tuple[int, int] = (0, 0)) -> tuple[bool, Any]:
         """The journaled value of step ``name`` as ``(True, value)``; else
@@ -563,7 +566,27 @@ class Journal:
                                 "max_tokens": limit[1] or None})
             self._warn(spend, name)
             self._check_budget(spend, name)
+            if spend["journaled"]:
+                ctx._execution.progressed(name)
+                looped = None if self._repeats is None else self._repeats.add(name, envelope)
+                if looped is not None:
+                    self._trip(looped)
         return value
+
+    def _trip(self, steps: list[str]) -> None:
+        """The watchdog saw ``steps`` repeat: fail the job, or park it for steering."""
+        ctx = self._ctx
+        shown = steps if len(steps) <= 10 else [*steps[:5], "…", *steps[-4:]]
+        message = (f"no progress: {len(steps)} steps in a row were the same step with the "
+                   f"same value ({', '.join(shown)})")
+        watchdog = ctx._watchdog
+        if watchdog is not None and watchdog.pauses:
+            self._announce({"type": "watchdog_paused", "reason": "repeats", "steps": shown,
+                            "message": message})
+            raise ctx._control(pause_for_steering(ctx.client, ctx.id))
+        raise ctx._control(NoProgress({"error": "no_progress", "reason": "repeats",
+                                       "steps": shown, "attempt": ctx.attempt,
+                                       "message": message}))
 
     def _priced(self, name: str, value: T, cost: CostSpec[T]) -> tuple[int, int]:
         """Run a step's cost function. It failing is a bug that a retry would pay
@@ -649,6 +672,26 @@ class Journal:
             "spent_tokens": spend["spent_tokens"], "budget_tokens": spend["budget_tokens"],
             **({} if over else {"max_cost_usd_micros": need[0], "max_cost_tokens": need[1]}),
         }))
+
+
+def _headroom(ctx: Context) -> Headroom:
+    with ctx.client.connection() as conn:
+        spend = store.budget_of(conn, ctx.id)
+    if spend is None:  # the row is gone: what the run was claimed with
+        job = ctx.job
+        spend = {"budget_usd_micros": job.budget_usd_micros,
+                 "spent_usd_micros": job.spent_usd_micros,
+                 "budget_tokens": job.budget_tokens, "spent_tokens": job.spent_tokens}
+    return Headroom.of(spend)
+
+
+def pause_for_steering(client: Belay, job_id: int) -> Park:
+    """A park until ``belay.steer_job`` (the watchdog's pause): steering sent
+    before it is cleared first, or the park would find it and run again at once."""
+    scope = names.job_scope(job_id)
+    with client.connection() as conn:
+        store.clear_signal(conn, scope, names.STEER)
+    return Park(scope, names.STEER, None)
 
 
 def _overran(units: tuple[int, int], limit: tuple[int, int]) -> bool:

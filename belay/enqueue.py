@@ -16,6 +16,7 @@ from belay import names
 from belay.budget import BUDGET_KEYS, POLICY_KEY, parse_policy
 from belay.codec import dumps, dumps_object
 from belay.errors import ValidationError
+from belay.watchdog import WATCHDOG_KEY, parse_watchdog
 
 UniqueMode = Literal["incomplete", "window", "always"]
 UNIQUE_MODES: Final = ("incomplete", "window", "always")
@@ -54,13 +55,14 @@ class JobSpec:
     meta: Mapping[str, Any] | None = None
     partition_key: str | None = None
     encrypt: bool | None = None
+    watchdog: Mapping[str, Any] | None = None
     # Set by belay itself (workflows, children, cron), not by enqueue callers.
     internal: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 SPEC_FIELDS: Final = frozenset(
     ("kind", "input", "queue", "priority", "delay", "run_at", "max_attempts", "unique",
-     "budget", "meta", "partition_key", "encrypt")
+     "budget", "meta", "partition_key", "encrypt", "watchdog")
 )
 _SPEC_DEFAULTS: Final = {name: None for name in SPEC_FIELDS}
 _INTERNAL_FIELDS: Final = frozenset(
@@ -207,10 +209,15 @@ def build_row(spec: JobSpec, now: datetime, definition: Any = None) -> Row:
 
     input_ = spec.input if spec.input is not None else {}
     meta = spec.meta if spec.meta is not None else defaults.get("meta", {})
-    if policy is not None:
+    watch = parse_watchdog(opt("watchdog", None))
+    if policy is not None or watch is not None:
         if not isinstance(meta, Mapping):
             raise ValidationError(f"meta must be a dict, got {type(meta).__name__}")
-        meta = {**meta, POLICY_KEY: policy}
+        meta = dict(meta)
+        if policy is not None:
+            meta[POLICY_KEY] = policy
+        if watch is not None:
+            meta[WATCHDOG_KEY] = watch.to_meta()
     deps, ignore = internal.get("wf_deps"), internal.get("wf_ignore")
 
     return Row(

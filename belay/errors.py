@@ -100,6 +100,15 @@ class BudgetExceeded(BaseException):
         self.entry = entry
 
 
+class NoProgress(BaseException):
+    """The watchdog saw no progress (steps that repeat, or none for too long):
+    the job fails now, without a retry that would loop the same way."""
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        super().__init__(entry.get("message", "no progress"))
+        self.entry = entry
+
+
 class CancelRequested(BaseException):
     """An operator asked to cancel this job (§8.6); honoured at a step boundary."""
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from belay.codec import dumps, encode_value
 from belay.context import BudgetExceeded, CancelRequested, Sleep, StepValueRefused
-from belay.errors import ValidationError
+from belay.errors import NoProgress, ValidationError
 
 #: How much of a traceback an error entry keeps (the errors column grows with
 #: every attempt; twenty attempts of full tracebacks would bloat every read).
@@ -242,7 +242,7 @@ def _decide(returned: Any, raised: BaseException | None, attempt: int, max_attem
                 {"error": storable(f"bad result: {message}"), "attempt": attempt},
                 attempt, max_attempts, now, backoff,
             )
-    if isinstance(raised, BudgetExceeded):
+    if isinstance(raised, (BudgetExceeded, NoProgress)):
         return Outcome("failed", error=raised.entry)
     if isinstance(raised, StepValueRefused):
         return Outcome("failed", error={"error": storable(f"bad step value: {raised}"),

@@ -47,6 +47,7 @@ from belay.parts.surface import HookMethods, QueueMethods
 from belay.queues import QueueSpec, parse_queues
 from belay.registry import DEFAULT_REGISTRY, Registry
 from belay.retention import DEFAULT_SIGNAL_TTL, keep_ok, parse_retention
+from belay.watchdog import parse_watchdog
 
 log = logging.getLogger("belay.worker")
 
@@ -133,6 +134,7 @@ class Worker(HookMethods, QueueMethods):
         processes: int | None = None,
         max_tasks_per_child: int | None = None,
         max_memory_per_child: int | None = None,
+        watchdog: Mapping[str, Any] | None = None,
     ) -> None:
         self.queues = parse_queues(queues)
         _check(lease_ttl=lease_ttl, poll_interval=poll_interval, busy_poll=busy_poll,
@@ -189,7 +191,8 @@ class Worker(HookMethods, QueueMethods):
         self.runner = JobRunner(self.client, self.registry, self.completer, self.hooks,
                                 notify=notify, spec_for=self._spec_for,
                                 may_batch=lambda: self.executor.on_executor(),
-                                new_deadline=self.leases.wake, free=self._free)
+                                new_deadline=self.leases.wake, free=self._free,
+                                watchdog=parse_watchdog(watchdog, "Worker watchdog"))
         self.executor = ThreadExecutor(self.runner.run, self.runner.release)
         self.producers = Producers(
             self.registry, node_id=self.node_id, lease_ttl=self.lease_ttl,

@@ -305,3 +305,15 @@ def restore_default() -> Iterator[None]:
     previous = belay.defaults.swap(None)
     if previous is not None:
         previous.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Any]]:
+    """Worker subprocesses a test starts (``tests.test_worker_processes.Proc``),
+    killed at its end whatever happened."""
+    started: list[Any] = []
+    try:
+        yield started
+    finally:
+        for proc in started:
+            proc.kill()

@@ -440,16 +440,6 @@ def test_the_http_api_tops_up(client) -> None:
 # -- kill -9 at the crossing point ---------------------------------------------------------------
 
 
-@pytest.fixture
-def procs() -> Any:
-    started: list[Proc] = []
-    try:
-        yield started
-    finally:
-        for proc in started:
-            proc.kill()
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_kill_9_at_the_crossing_point_keeps_the_pause_and_pays_nothing_twice(
         db_url, sql_conn, tmp_path: Path, procs) -> None:

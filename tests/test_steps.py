@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -726,16 +726,6 @@ def test_budget_and_cancel_signals_are_base_exceptions() -> None:
 
 
 LOOP = "steps.loop"  # tests/step_jobs.py
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    try:
-        yield started
-    finally:
-        for proc in started:
-            proc.kill()
 
 
 def start_worker(procs: list[Proc], db_url: str, tmp_path: Path, node: str) -> Proc:

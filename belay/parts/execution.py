@@ -92,6 +92,30 @@ class Execution:
         self.ack_pending = False
         #: A renewal saw the job's ``cancel_requested`` (an operator's cancel).
         self.cancel_requested = False
+        #: The watchdog guarding it (``belay.watchdog``), set by its context.
+        self.watchdog: Any = None
+        #: With a stall watch: when it trips unless a step is journaled first.
+        self.stall_deadline: float | None = None
+        #: The last step this run journaled, and whether the stall watch tripped.
+        self.last_step: str | None = None
+        self.stalled = False
+
+    def watch_stall(self, watchdog: Any) -> None:
+        """Guard this run with ``watchdog``; its stall counts from now."""
+        self.watchdog = watchdog
+        if watchdog.stall is not None:
+            self.stall_deadline = self._clock() + watchdog.stall
+
+    def progressed(self, step: str) -> None:
+        """A step was journaled: the stall counts again from now."""
+        self.last_step = step
+        if self.watchdog is not None and self.watchdog.stall is not None:
+            self.stall_deadline = self._clock() + self.watchdog.stall
+
+    def next_deadline(self) -> float | None:
+        """The earlier of its timeout and its stall deadline."""
+        due = [d for d in (self.deadline, self.stall_deadline) if d is not None]
+        return min(due) if due else None
 
     def request_cancel(self) -> bool:
         """Mark a cancel request seen; True the first time only."""

@@ -37,10 +37,22 @@ def timeout_outcome(execution: Execution, now: datetime, backoff: Any) -> Outcom
     """The attempt's end when it ran past its timeout: retried after
     ``backoff`` while attempts remain, else failed."""
     job = execution.job
+    if execution.stalled:
+        return Outcome("failed", error=stall_entry(execution))
     assert execution.deadline is not None
     limit = execution.deadline - execution.started
     error = {"error": f"timeout: ran longer than {limit:g}s", "attempt": job.attempt}
     return retry_or_fail(error, job.attempt, job.max_attempts, now, backoff)
+
+
+def stall_entry(execution: Execution) -> dict[str, Any]:
+    """The error of a run the watchdog stopped for journaling nothing new."""
+    stall = execution.watchdog.stall
+    last = execution.last_step
+    return {"error": "no_progress", "reason": "stalled", "stall": stall, "last_step": last,
+            "attempt": execution.job.attempt,
+            "message": f"no step journaled for {stall:g}s "
+                       + (f"after step {last!r}" if last else "since the run started")}
 
 
 class Leases:
@@ -152,8 +164,13 @@ class Leases:
         """End ``"timeout"`` every execution past its deadline, recording each
         through ``on_timeout``; returns them."""
         now = self._clock()
-        due = [e for e in self.running()
-               if e.deadline is not None and now >= e.deadline and e.end(TIMEOUT)]
+        due = []
+        for e in self.running():
+            stalled = e.stall_deadline is not None and now >= e.stall_deadline
+            if ((stalled or (e.deadline is not None and now >= e.deadline))
+                    and e.end(TIMEOUT)):
+                e.stalled = stalled and not (e.deadline is not None and now >= e.deadline)
+                due.append(e)
         for execution in due:
             try:
                 self._on_timeout(execution)
@@ -169,8 +186,8 @@ class Leases:
         if time.monotonic() >= self._next_renew:
             self.renew()
         self.enforce_timeouts()
-        deadlines = [e.deadline for e in self.running()
-                     if e.deadline is not None and e.ended is None]
+        deadlines = [d for e in self.running()
+                     if (d := e.next_deadline()) is not None and e.ended is None]
         wait = self._next_renew - time.monotonic()
         if deadlines:
             wait = min(wait, min(deadlines) - self._clock())

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from belay.client import Belay
-from belay.context import _CURRENT, Context, Park
+from belay.context import _CURRENT, Context, Park, pause_for_steering
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.errors import ConfigurationError, ValidationError
 from belay.job import Job
@@ -23,9 +23,10 @@ from belay.outcome import RETURN_SNOOZE, Outcome, decide, describe, safe_repr
 from belay.parts.completer import Completer, PendingAck
 from belay.parts.execution import ACKED, ENDINGS, Execution
 from belay.parts.hooks import Hooks
-from belay.parts.leases import timeout_outcome
+from belay.parts.leases import stall_entry, timeout_outcome
 from belay.queues import QueueSpec
 from belay.registry import Registry
+from belay.watchdog import Watchdog
 
 log = logging.getLogger("belay.worker")
 
@@ -50,6 +51,7 @@ class JobRunner:
         may_batch: Callable[[], bool],
         new_deadline: Callable[[], None],
         free: Callable[[Execution], None],
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.client = client
         self.registry = registry
@@ -61,6 +63,8 @@ class JobRunner:
         self._new_deadline = new_deadline
         self._free = free
         self.middleware: list[Middleware] = []
+        #: The no-progress watchdog for jobs without their own.
+        self.watchdog = watchdog
 
     def _now(self) -> datetime:
         return self.client.clock.now()
@@ -99,6 +103,12 @@ class JobRunner:
         further steps."""
         definition = execution.definition
         assert definition is not None
+        if execution.stalled and execution.watchdog.pauses:
+            log.warning("belay: job %d attempt %d: %s; parked until steered", execution.job.id,
+                        execution.job.attempt, stall_entry(execution)["message"])
+            park = pause_for_steering(self.client, execution.job.id)
+            self.completer.park(execution.job, park.scope, park.name, None)
+            return
         self.completer.ack(execution.job,
                            timeout_outcome(execution, self._now(), definition.backoff))
 
@@ -244,7 +254,8 @@ class JobRunner:
         spec = owner.spec if owner is not None else self._spec_for(execution.job.queue)
         return Context(execution, self.client, self.registry, notify=self.notify,
                        rate=None if spec is None else spec.rate,
-                       on_budget=self.hooks.budget_notice if self.hooks.budget else None)
+                       on_budget=self.hooks.budget_notice if self.hooks.budget else None,
+                       watchdog=self.watchdog)
 
     def conclude(self, execution: Execution, returned: Any, raised: BaseException | None,
                  *, outcome: Outcome | None = None) -> str:
