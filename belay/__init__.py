@@ -7,13 +7,14 @@ also exists as a method of :class:`Belay` for explicit instances.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 
 from belay import errors
+from belay.authority import Authority as Authority
 from belay.budget import BudgetNotice as BudgetNotice
 from belay.budget import Headroom as Headroom
 from belay.client import STATS_CAP as STATS_CAP
@@ -43,6 +44,7 @@ from belay.enqueue import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS
 from belay.enqueue import JobSpec as JobSpec
 from belay.enqueue import Unique
 from belay.errors import (
+    AuthorityExceeded,
     BelayError,
     ConfigurationError,
     ContractMismatch,
@@ -72,6 +74,8 @@ from belay.runner import JobEnd, Worker
 from belay.schema import CONTRACT_MAJOR as CONTRACT_MAJOR
 from belay.schema import MIN_REVISION as MIN_REVISION
 from belay.schema import SchemaStatus as SchemaStatus
+from belay.spend import SpendReport as SpendReport
+from belay.spend import SpendTree as SpendTree
 from belay.workflow import Workflow
 
 # What people use daily. The rest stays importable from here, and is
@@ -84,6 +88,7 @@ from belay.workflow import Workflow
 # SchemaStatus), belay.context (StepValueRefused).
 __all__ = [
     "TIMEOUT",
+    "AuthorityExceeded",
     "Belay",
     "BelayError",
     "BudgetExceeded",
@@ -142,6 +147,8 @@ __all__ = [
     "set_default",
     "signal",
     "signal_job",
+    "spend",
+    "spend_tree",
     "stats",
     "steer_job",
     "steps",
@@ -187,12 +194,13 @@ def enqueue(
     conn: Conn | None = None,
     session: Any = None,
     watchdog: Mapping[str, Any] | None = None,
+    authority: Mapping[str, Any] | None = None,
 ) -> Job:
     return default().enqueue(
         kind, input, queue=queue, priority=priority, delay=delay, run_at=run_at,
         max_attempts=max_attempts, unique=unique, budget=budget, meta=meta,
         partition_key=partition_key, encrypt=encrypt, conn=conn, session=session,
-        watchdog=watchdog,
+        watchdog=watchdog, authority=authority,
     )
 
 
@@ -260,6 +268,14 @@ def steer_job(job_id: int, payload: Mapping[str, Any], *, conn: Conn | None = No
 def top_up(job_id: int, *, usd: float | None = None, tokens: int | None = None,
            conn: Conn | None = None) -> Job:
     return default().top_up(job_id, usd=usd, tokens=tokens, conn=conn)
+
+
+def spend(by: str | Sequence[str] = "kind", **options: Any) -> SpendReport:
+    return default().spend(by, **options)
+
+
+def spend_tree(job_id: int, *, conn: Conn | None = None) -> SpendTree:
+    return default().spend_tree(job_id, conn=conn)
 
 
 def clear_signal(scope: str, name: str, *, conn: Conn | None = None) -> bool:

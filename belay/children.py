@@ -11,10 +11,11 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from belay import names, store
+from belay.authority import AUTHORITY_KEY, Authority
 from belay.budget import policy_of
 from belay.context import Park
-from belay.enqueue import JobSpec
-from belay.errors import ValidationError
+from belay.enqueue import JobSpec, usd_to_micros
+from belay.errors import AuthorityExceeded, ValidationError
 
 if TYPE_CHECKING:
     from belay.context import Context
@@ -49,13 +50,65 @@ def spawn_children(ctx: Context, name: str, kind: Any, inputs: Iterable[Mapping[
         # Ids come back for inserted children and for holders of their keys
         # alike: the list is rebuilt from the keys, never trusted from a
         # partial insert.
-        budget = budget_share(ctx, len(inputs)) if share else options.get("budget")
+        if share:
+            budget = budget_share(ctx, len(inputs))
+        else:
+            budget = within_remaining(ctx, options.get("budget"), _asked(options))
         return [job.id for job in ctx.client.enqueue_many(specs(budget))]
 
     ids = ctx._step(f"$spawn:{name}", insert, None)
     if not isinstance(ids, list):
         raise ValidationError(f"step $spawn:{name} holds {ids!r}, not a list of job ids")
     return ids
+
+
+def _asked(options: Mapping[str, Any]) -> Authority | None:
+    """The authority a spawn asks for its children, if it names one."""
+    meta = options.get("meta")
+    asked = options.get("authority")
+    if asked is None and isinstance(meta, Mapping):
+        asked = meta.get(AUTHORITY_KEY)
+    return None if asked is None else Authority.parse(asked)
+
+
+def within_remaining(ctx: Context, budget: Any, asked: Authority | None = None) -> Any:
+    """A child's budget bounded by what this job has left: a child never holds
+    more than its parent could still spend. Where this job has a cap, a child
+    given none gets what is left (no more than the caps of the authority it
+    asks for; under this job's policy), and one given more is refused
+    (AuthorityExceeded) before anything is written."""
+    with ctx.client.connection() as conn:
+        job = store.get_job(conn, ctx.id)
+    if job is None or (job.budget_usd_micros is None and job.budget_tokens is None):
+        return budget
+    left = {"usd": None if job.budget_usd_micros is None
+            else max(job.budget_usd_micros - job.spent_usd_micros, 0),
+            "tokens": None if job.budget_tokens is None
+            else max(job.budget_tokens - job.spent_tokens, 0)}
+    out = dict(budget) if isinstance(budget, Mapping) else {}
+    if budget is None:
+        policy = policy_of(job.meta)
+        out["on_exceed"], out["warn_at"] = policy.on_exceed, list(policy.warn_at)
+    for unit, remaining in left.items():
+        if remaining is None:
+            continue
+        given = out.get(unit)
+        if given is None:
+            cap = None if asked is None else (
+                asked.usd_micros if unit == "usd" else asked.tokens)
+            if cap is not None:
+                remaining = min(remaining, cap)
+            out[unit] = remaining / 1_000_000 if unit == "usd" else remaining
+            continue
+        wanted = usd_to_micros(given, what="budget usd") if unit == "usd" else given
+        if isinstance(wanted, int) and wanted > remaining:
+            shown = (f"${wanted / 1e6:g}", f"${remaining / 1e6:g}") if unit == "usd" else (
+                f"{wanted:,} tokens", f"{remaining:,} tokens")
+            raise AuthorityExceeded(
+                f"a child budget of {shown[0]} is more than the {shown[1]} job {ctx.id} has "
+                f"left; give the child at most that, or leave {unit} out to give it all "
+                "that is left")
+    return out
 
 
 def budget_share(ctx: Context, children: int) -> dict[str, Any] | None:

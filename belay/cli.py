@@ -285,6 +285,25 @@ def _ops_parsers(commands: Any) -> None:
     top_up.add_argument("--usd", type=float, metavar="DOLLARS", help="added to the USD cap")
     top_up.add_argument("--tokens", type=int, metavar="N", help="added to the token cap")
 
+    spend = op(commands, "spend", "what jobs spent (USD, tokens) over a range, by kind, queue, "
+                                  "day, hour, workflow, parent, tree or a meta key")
+    spend.add_argument("--by", action="append", default=None, metavar="DIMENSION",
+                       help="kind (default), queue, day, hour, workflow, parent, tree or "
+                            "meta:KEY; twice to cross two (--by day --by kind)")
+    spend.add_argument("--since", default="7d", metavar="SPAN|TIME",
+                       help="a span back from --until (30m, 24h, 7d, 2w) or an ISO 8601 "
+                            "time with a zone (default 7d)")
+    spend.add_argument("--until", default=None, metavar="TIME",
+                       help="an ISO 8601 time with a zone (default now; exclusive)")
+    spend.add_argument("--kind")
+    spend.add_argument("--queue")
+    spend.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
+                       help="only jobs whose meta has this string value (repeatable)")
+    spend.add_argument("--limit", type=int, default=100, help="at most this many groups "
+                       "(default 100; the total counts them all)")
+    spend.add_argument("--tree", type=_job_id_arg, metavar="JOB_ID",
+                       help="instead: a job and all its descendants, in all and per kind")
+
     queues = op(commands, "queues", "list, put, pause, resume or delete belay_queues rows")
     queue_actions = queues.add_subparsers(dest="action", metavar="ACTION")
     op(queue_actions, "list", "the belay_queues rows (the default action)", nested=True)
@@ -875,6 +894,24 @@ def _top_up(args: argparse.Namespace, client: Belay) -> int:
     return _emit(args, done, text)
 
 
+def _spend(args: argparse.Namespace, client: Belay) -> int:
+    from belay import cliformat, ops
+
+    if args.tree is not None:
+        view = ops.spend_view(client, {"tree": args.tree})
+        return _emit(args, view, cliformat.spend_tree_text(view))
+    meta: dict[str, str] = {}
+    for pair in args.meta:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValidationError(f"--meta is KEY=VALUE (like customer=acme), got {pair!r}")
+        meta[key] = value
+    view = ops.spend_view(client, {
+        "by": args.by or ["kind"], "since": args.since, "until": args.until,
+        "kind": args.kind, "queue": args.queue, "meta": meta or None, "limit": args.limit})
+    return _emit(args, view, cliformat.spend_table(view))
+
+
 def _queues(args: argparse.Namespace, client: Belay) -> int:
     from belay import cliformat, ops
 
@@ -1029,7 +1066,7 @@ def _prune(args: argparse.Namespace, client: Belay) -> int:
 _OPS: dict[str, Operate] = {
     "stats": _stats, "jobs": _jobs, "job": _job, "events": _events, "retry": _retry,
     "cancel": _cancel, "signal": _signal, "steer": _steer, "top-up": _top_up,
-    "queues": _queues,
+    "spend": _spend, "queues": _queues,
     "crons": _crons, "prune": _prune, "doctor": _doctor,
 }
 

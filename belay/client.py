@@ -22,9 +22,11 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from belay import connect, names, schema, store
+from belay.authority import Authority, authority_of
 from belay.budget import check_top_up
 from belay.clock import Clock, SystemClock
 from belay.codec import dumps_object
+from belay.context import current_context
 from belay.cron import DynamicCron, dynamic_values
 from belay.crypto import encrypt_input, parse_key
 from belay.enqueue import JobSpec, Row, Unique, build_row, spec_from
@@ -43,6 +45,9 @@ from belay.queues import parse_spec as parse_queue_spec
 from belay.redact import redact, secrets_of
 from belay.registry import DEFAULT_REGISTRY, Registry
 from belay.schedules import Schedule, SchedulePage
+from belay.spend import DEFAULT_LIMIT as SPEND_LIMIT
+from belay.spend import Query as SpendQuery
+from belay.spend import SpendReport, SpendTree
 from belay.workflow import Workflow, member_errors
 
 Conn = psycopg.Connection[Any]
@@ -392,15 +397,19 @@ class Belay:
         conn: Conn | None = None,
         session: Any = None,
         watchdog: Mapping[str, Any] | None = None,
+        authority: Mapping[str, Any] | None = None,
     ) -> Job:
         """Insert one job; with a ``unique`` key already held, return the holder
         flagged ``duplicate=True`` instead (§5.2). ``encrypt=True`` stores the
         input AES-256-GCM-encrypted with the client's ``encryption_key``.
         ``session=`` is another name for ``conn=`` (a framework's session).
         ``watchdog={"repeats": 3, "stall": 600, "on_trip": "pause"}`` stops a
-        run that makes no progress (:mod:`belay.watchdog`)."""
+        run that makes no progress (:mod:`belay.watchdog`).
+        ``authority={"tools": [...], "queues": [...], "kinds": [...], "usd": 5}``
+        bounds what the job may call, start and spend; what it starts inherits
+        it, narrowed at most (:mod:`belay.authority`)."""
         spec = JobSpec(kind, input, queue, priority, delay, run_at, max_attempts, unique,
-                       budget, meta, partition_key, encrypt, watchdog)
+                       budget, meta, partition_key, encrypt, watchdog, authority)
         return self.enqueue_many([spec], conn=_conn_or_session(conn, session))[0]
 
     def enqueue_many(
@@ -473,7 +482,7 @@ class Belay:
         # A kind named by string takes the registered worker's defaults, if any.
         kind = spec.kind
         definition = self.registry.get(kind) if isinstance(kind, str) else None
-        row = build_row(spec, now, definition)
+        row = build_row(spec, now, definition, _parent_authority())
         encrypt = spec.encrypt
         if encrypt is None:
             worker = kind if definition is None else definition
@@ -640,6 +649,40 @@ class Belay:
         for row in rows:
             out.setdefault(row["queue"], {})[row["state"]] = row["count"]
         return out
+
+    def spend(self, by: str | Sequence[str] = "kind", *,
+              since: datetime | timedelta | None = None, until: datetime | None = None,
+              kind: str | None = None, queue: str | None = None,
+              meta: Mapping[str, Any] | None = None, limit: int = SPEND_LIMIT,
+              conn: Conn | None = None) -> SpendReport:
+        """What the jobs enqueued in ``[since, until)`` spent (USD, tokens),
+        grouped by one or two of ``kind``, ``queue``, ``day``, ``hour``,
+        ``workflow``, ``parent``, ``tree`` and ``meta:<key>``.
+
+        ``since`` is a moment or a span back from ``until`` (default: the last
+        7 days); ``until`` defaults to now. ``kind``, ``queue`` and ``meta``
+        (a dict the job's meta must contain) filter. Only jobs that spent
+        something count; a job's spend is its own (charge-backs of shared
+        child budgets are counted once, at the children). The largest
+        ``limit`` groups come back, in time order for ``day``/``hour``; the
+        report's ``total`` covers all of them."""
+        query = SpendQuery.of(self.clock.now(), by, since=since, until=until, kind=kind,
+                               queue=queue, meta=meta, limit=limit)
+        # On belay's own connection, in a transaction of its own: without JIT.
+        with self.transaction(conn) as active:
+            return SpendReport.of(query, store.spend_by(active, query.params(),
+                                                        jit_off=conn is None))
+
+    def spend_tree(self, job_id: int, *, conn: Conn | None = None) -> SpendTree:
+        """What job ``job_id`` and all its descendants (children, theirs, …)
+        spent, in all and per kind, however long ago; JobNotFound if there is
+        no such job."""
+        job_id = _job_id(job_id)
+        with self.connection(conn) as active:
+            rows = store.spend_tree(active, job_id)
+        if not rows:
+            raise JobNotFound(job_id)
+        return SpendTree.of(job_id, rows)
 
     # -- Signals and steering (§8.1) ------------------------------------------------
 
@@ -1009,6 +1052,16 @@ def _bounded(interval: float, deadline: float | None) -> float | None:
         return interval
     remaining = deadline - time.monotonic()
     return None if remaining <= 0 else min(interval, remaining)
+
+
+def _parent_authority() -> tuple[Authority, str] | None:
+    """The authority of the job whose code is enqueueing, if it has one: what
+    it starts inherits it, narrowed at most (:mod:`belay.authority`)."""
+    ctx = current_context()
+    if ctx is None:
+        return None
+    granted = authority_of(ctx.meta)
+    return None if granted is None else (granted, f"job {ctx.id}")
 
 
 def _conn_or_session(conn: Any, session: Any) -> Any:

@@ -70,6 +70,39 @@ def spent(amount: float, tokens: int) -> str:
     return f"{usd(amount)} / {tokens:,} tok"
 
 
+def spend_table(view: Mapping[str, Any]) -> str:
+    """A spend report: a row per group, then the total of every group."""
+    heads = [str(d).upper() for d in view["by"]]
+    rows = [[*(_key(k) for k in row["key"]), f"{row['jobs']:,}",
+             usd(row["usd"]), f"{row['tokens']:,}"] for row in view["rows"]]
+    total = view["total"]
+    rows.append(["total", *([""] * (len(heads) - 1)), f"{total['jobs']:,}", usd(total["usd"]),
+                 f"{total['tokens']:,}"])
+    text = table([*heads, "JOBS", "USD", "TOKENS"], rows)
+    listed = len(view["rows"])
+    if listed < view["groups"]:
+        text += f"\n({listed} of {view['groups']:,} groups: raise --limit for the rest)"
+    return text + f"\n(jobs enqueued from {view['since']} until {view['until']})"
+
+
+def _key(value: str | None) -> str | None:
+    """A group's key as it reads: plain text, or JSON-escaped when it holds a
+    character a terminal would act on; cut to the cell width."""
+    if value is None or not value.isprintable():
+        return None if value is None else compact(value)
+    return value if len(value) <= CELL_WIDTH else value[: CELL_WIDTH - 1] + "…"
+
+
+def spend_tree_text(view: Mapping[str, Any]) -> str:
+    """A job's tree: its total, then per kind."""
+    total = view["total"]
+    head = (f"job {view['job_id']} and its descendants: {total['jobs']:,} job(s), "
+            f"{view['depth']} level(s) deep, {spent(total['usd'], total['tokens'])}")
+    rows = [[kind, f"{s['jobs']:,}", usd(s["usd"]), f"{s['tokens']:,}"]
+            for kind, s in view["by_kind"].items()]
+    return head + "\n" + table(["KIND", "JOBS", "USD", "TOKENS"], rows)
+
+
 def when(value: str | None) -> str:
     """An ISO 8601 timestamp as ``YYYY-MM-DD HH:MM:SSZ`` (UTC); ``-`` for none."""
     if not value:

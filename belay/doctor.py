@@ -196,11 +196,11 @@ def schema_finding(status: SchemaStatus, latest: int) -> Finding:
     if status.revision < latest:
         fix = (f"run `belay migrate` to apply revisions {status.revision + 1} to {latest} "
                "(additive: running workers keep working)")
-        if status.revision < STATE_QUEUE_INDEX_REVISION <= latest:
-            fix += ("; revision 4 builds an index over every job and blocks writes while it "
-                    "builds: on a big table, first run CREATE INDEX CONCURRENTLY "
-                    "belay_jobs_state_queue_id_idx ON belay_jobs (state, queue, id) "
-                    "WHERE id > 0; (docs/schema.md)")
+        for revision, build in INDEX_REVISIONS.items():
+            if status.revision < revision <= latest:
+                fix += (f"; revision {revision} builds an index that reads every job and "
+                        "blocks writes while it builds: on a big table, first run "
+                        f"{build} (docs/schema.md)")
         return Finding("schema", "warning", text, fix, details)
     if status.revision > latest:
         return Finding("schema", "info", text + ": migrated by a newer belay",
@@ -209,8 +209,14 @@ def schema_finding(status: SchemaStatus, latest: int) -> Finding:
     return Finding("schema", "ok", text, "", details)
 
 
-#: The revision whose migration builds belay_jobs_state_queue_id_idx.
-STATE_QUEUE_INDEX_REVISION = 4
+#: The revisions that build an index over belay_jobs, and how to build it first
+#: without the write lock (the migration then finds it and returns at once).
+INDEX_REVISIONS: Final = {
+    4: "CREATE INDEX CONCURRENTLY belay_jobs_state_queue_id_idx ON belay_jobs "
+       "(state, queue, id) WHERE id > 0;",
+    6: "CREATE INDEX CONCURRENTLY belay_jobs_spend_idx ON belay_jobs (inserted_at) "
+       "WHERE spent_usd_micros <> 0 OR spent_tokens <> 0;",
+}
 
 
 @dataclass(frozen=True)

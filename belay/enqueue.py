@@ -13,6 +13,7 @@ from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Any, Final, Literal, NamedTuple
 
 from belay import names
+from belay.authority import AUTHORITY_KEY, Authority
 from belay.budget import BUDGET_KEYS, POLICY_KEY, parse_policy
 from belay.codec import dumps, dumps_object
 from belay.errors import ValidationError
@@ -56,13 +57,14 @@ class JobSpec:
     partition_key: str | None = None
     encrypt: bool | None = None
     watchdog: Mapping[str, Any] | None = None
+    authority: Mapping[str, Any] | None = None
     # Set by belay itself (workflows, children, cron), not by enqueue callers.
     internal: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 SPEC_FIELDS: Final = frozenset(
     ("kind", "input", "queue", "priority", "delay", "run_at", "max_attempts", "unique",
-     "budget", "meta", "partition_key", "encrypt", "watchdog")
+     "budget", "meta", "partition_key", "encrypt", "watchdog", "authority")
 )
 _SPEC_DEFAULTS: Final = {name: None for name in SPEC_FIELDS}
 _INTERNAL_FIELDS: Final = frozenset(
@@ -164,10 +166,12 @@ def _checked(name: Any, what: str) -> None:
         _CHECKED.add(name)
 
 
-def build_row(spec: JobSpec, now: datetime, definition: Any = None) -> Row:
+def build_row(spec: JobSpec, now: datetime, definition: Any = None,
+              parent: tuple[Authority, str] | None = None) -> Row:
     """Validate one request and produce its row (§5.1 defaults; ``now`` from the
     clock). ``definition`` is the registered worker a string kind names, if any:
-    its enqueue defaults apply."""
+    its enqueue defaults apply. ``parent``: the authority of the job this
+    request comes from, and its name for messages (:mod:`belay.authority`)."""
     kind, defaults = kind_of(spec.kind if definition is None else definition)
     if defaults:
         def opt(name: str, fallback: Any) -> Any:
@@ -210,7 +214,11 @@ def build_row(spec: JobSpec, now: datetime, definition: Any = None) -> Row:
     input_ = spec.input if spec.input is not None else {}
     meta = spec.meta if spec.meta is not None else defaults.get("meta", {})
     watch = parse_watchdog(opt("watchdog", None))
-    if policy is not None or watch is not None:
+    granted = _authority(opt("authority", None), meta, parent)
+    if granted is not None:
+        budget_usd_micros, budget_tokens = _capped(granted, parent, kind, queue,
+                                                   budget_usd_micros, budget_tokens)
+    if policy is not None or watch is not None or granted is not None:
         if not isinstance(meta, Mapping):
             raise ValidationError(f"meta must be a dict, got {type(meta).__name__}")
         meta = dict(meta)
@@ -218,6 +226,8 @@ def build_row(spec: JobSpec, now: datetime, definition: Any = None) -> Row:
             meta[POLICY_KEY] = policy
         if watch is not None:
             meta[WATCHDOG_KEY] = watch.to_meta()
+        if granted is not None:
+            meta[AUTHORITY_KEY] = granted.to_meta()
     deps, ignore = internal.get("wf_deps"), internal.get("wf_ignore")
 
     return Row(
@@ -352,6 +362,36 @@ def _unique(unique: Any, now: datetime) -> tuple[str | None, str | None]:
     if window is not None:
         raise ValidationError(f"window only applies to unique mode 'window', not {mode!r}")
     return key, mode
+
+
+def _authority(asked: Any, meta: Any, parent: tuple[Authority, str] | None
+               ) -> Authority | None:
+    """The authority a new job gets: what it asks for (``authority=``, or a
+    ``$authority`` already in its meta), narrowed from its parent's."""
+    if isinstance(meta, Mapping) and AUTHORITY_KEY in meta:
+        if asked is not None:
+            raise ValidationError(f"give the authority once: authority= or meta "
+                                  f"{AUTHORITY_KEY!r}, not both")
+        asked = meta[AUTHORITY_KEY]
+    wanted = None if asked is None else Authority.parse(asked)
+    if parent is None:
+        return wanted
+    return parent[0].narrowed(wanted, parent[1])
+
+
+def _capped(granted: Authority, parent: tuple[Authority, str] | None, kind: str, queue: str,
+            usd_micros: int | None, tokens: int | None) -> tuple[int | None, int | None]:
+    """The budget of a job with an authority: its caps where it gave none,
+    checked against them (and the parent's queue and worker bounds)."""
+    if usd_micros is None:
+        usd_micros = granted.usd_micros
+    if tokens is None:
+        tokens = granted.tokens
+    granted.check_budget(usd_micros, tokens, "this job")
+    if parent is not None:
+        parent[0].check_job(queue=queue, kind=kind, usd_micros=usd_micros, tokens=tokens,
+                            whose=parent[1])
+    return usd_micros, tokens
 
 
 def _budget(budget: Any) -> tuple[int | None, int | None, dict[str, Any] | None]:

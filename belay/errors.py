@@ -128,6 +128,13 @@ class Interrupted(BaseException):
 
 
 
+class AuthorityExceeded(ValidationError):
+    """A job asked for more than its authority allows (:mod:`belay.authority`):
+    a wider capability set than its parent's, a tool, queue or worker outside
+    it, a budget over its caps. Raised in a job, it fails the job at once: a
+    retry would ask again."""
+
+
 class JobNotFound(BelayError, LookupError):
     """No job has that id (it may have been pruned by retention)."""
 

@@ -198,6 +198,31 @@ def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
             raise ToolError(f"no workflow {workflow_id!r} (no job has that workflow_id)")
         return ops.workflow_view(status)
 
+    @tool(read)
+    def spend(
+        by: Annotated[list[str] | str, Field(description=(
+            "one or two of kind, queue, day, hour, workflow, parent, tree, meta:KEY"))] = "kind",
+        since: Annotated[str, Field(description=(
+            "a span back from until (30m, 24h, 7d, 2w) or an ISO 8601 time"))] = "7d",
+        until: Annotated[str | None, Field(description="ISO 8601 time; default now")] = None,
+        kind: str | None = None,
+        queue: str | None = None,
+        meta: Annotated[dict[str, Any] | None, Field(
+            description="only jobs whose meta contains these keys and values")] = None,
+        limit: Annotated[int, _integer("limit", 1, 10_000),
+                         Field(description="at most this many groups (1-10000)")] = 100,
+        tree: Annotated[int | None, _integer("tree"), Field(
+            description="instead: this job and all its descendants, per kind")] = None,
+    ) -> dict[str, Any]:
+        """What jobs spent (USD, tokens) over a time range, grouped by kind,
+        queue, day or hour (UTC), workflow, parent, tree (root job) or a meta
+        key such as a customer id: the largest groups first (day/hour in time
+        order) and the total of all. A job's spend is its own; a shared child
+        budget's charge-back to its parent is counted once."""
+        return _call(lambda: ops.spend_view(client, {
+            "by": by, "since": since, "until": until, "kind": kind, "queue": queue,
+            "meta": meta, "limit": limit, "tree": tree}))
+
     def mutation(tool: str, args: dict[str, Any]) -> dict[str, Any]:
         return _call(lambda: ops.mutate(client, guard, tool, args))
 

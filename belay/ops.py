@@ -8,12 +8,15 @@ the few functions here that read take a :class:`~belay.client.Belay`.
 An authorizer is a callable ``authorize(tool, args)`` called before every
 mutation. It allows by returning ``None`` or ``True``; it refuses by
 returning ``False`` or a message (a ``str``), or by raising — the refusal's
-message reaches whoever asked.
+message reaches whoever asked. One that takes an ``authority`` keyword
+(``authorize(tool, args, *, authority)``) also gets the capability set of the
+job the mutation is for (:class:`belay.authority.Authority`, or None).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -22,11 +25,14 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from belay import names, store
+from belay.authority import authority_of
 from belay.budget import check_top_up
 from belay.codec import Opaque
 from belay.errors import BelayError, ConfigurationError, JobNotFound, ValidationError
 from belay.job import STATES, Event, Job, Step, WorkflowStatus
 from belay.outcome import describe, message_of
+from belay.spend import MAX_LIMIT as MAX_SPEND_LIMIT
+from belay.spend import parse_span
 
 #: The mutations every surface offers, by the MCP tool name each has.
 MUTATIONS: Final = ("retry_job", "cancel_job", "signal", "steer_job", "top_up", "schedule",
@@ -53,7 +59,8 @@ MAX_ID: Final = 2**63 - 1
 #: somewhere well short of Python's recursion limit.
 MAX_JSON_DEPTH: Final = 64
 
-Authorizer = Callable[[str, dict[str, Any]], object]
+#: ``authorize(tool, args)``, or ``authorize(tool, args, *, authority)``.
+Authorizer = Callable[..., object]
 
 
 class Refused(BelayError, PermissionError):
@@ -325,6 +332,54 @@ def signal_name_arg(value: object, what: str = "name") -> str:
     return value
 
 
+def since_arg(value: object, what: str = "since") -> datetime | timedelta:
+    """A moment (ISO 8601 with a zone: ``2026-12-01T00:00:00+00:00``) or, for
+    ``since``, a span back from ``until`` as the CLI takes it (``7d``)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if what == "since" and text[-1:] in ("m", "h", "d", "w") and text[:-1].isdigit():
+            return parse_span(text)
+        try:
+            moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            moment = None
+        if moment is not None and moment.tzinfo is not None:
+            return moment
+    spans = " or a span back from until (30m, 24h, 7d, 2w)" if what == "since" else ""
+    raise ValidationError(f"{what} is an ISO 8601 time with a zone (like "
+                          f"2026-12-01T00:00:00+00:00){spans}, got {shown(value)}")
+
+
+#: The arguments a spend read takes (``tree`` alone, or the rest).
+SPEND_ARGS: Final = ("by", "since", "until", "kind", "queue", "meta", "limit", "tree")
+
+
+def spend_view(client: Any, args: Mapping[str, Any]) -> dict[str, Any]:
+    """A spend report (or, given ``tree``, a job's tree) as JSON-ready data,
+    from the arguments an MCP tool or a query string carries."""
+    unknown = sorted(set(args) - set(SPEND_ARGS))
+    if unknown:
+        raise ValidationError(f"unknown argument(s) {', '.join(map(shown, unknown))}; "
+                              f"spend takes {', '.join(SPEND_ARGS)}")
+    given = {key: value for key, value in args.items() if value is not None}
+    if "tree" in given:
+        return dict(client.spend_tree(id_arg(given["tree"], "tree")).to_dict())
+    by = given.get("by", "kind")
+    if not isinstance(by, (str, list, tuple)):
+        raise ValidationError(f"by is a dimension or a list of two, got {shown(by)}")
+    options: dict[str, Any] = {
+        "since": since_arg(given["since"]) if "since" in given else None,
+        "until": since_arg(given["until"], "until") if "until" in given else None,
+        "meta": object_arg(given["meta"], "meta") if "meta" in given else None,
+    }
+    for key in ("kind", "queue"):
+        if key in given:
+            options[key] = name_arg(given[key], key)
+    if "limit" in given:
+        options["limit"] = int_arg(given["limit"], "limit", high=MAX_SPEND_LIMIT)
+    return dict(client.spend(by, **options).to_dict())
+
+
 # -- Mutations ---------------------------------------------------------------------
 
 
@@ -366,11 +421,17 @@ class Guard:
     def read_only(self) -> bool:
         return not self.allow and self.authorizer is None
 
-    def check(self, tool: str, args: dict[str, Any]) -> None:
-        """Return if ``tool`` may run with ``args``; raise :class:`Refused` if not."""
+    def check(self, tool: str, args: dict[str, Any], job: Job | None = None) -> None:
+        """Return if ``tool`` may run with ``args``; raise :class:`Refused` if not.
+        An authorizer that takes an ``authority`` keyword also gets the
+        authority of the job the mutation is for (None: it has none)."""
         if self.authorizer is not None:
             try:
-                verdict = self.authorizer(tool, dict(args))
+                if _takes_authority(self.authorizer):
+                    verdict = self.authorizer(
+                        tool, dict(args), authority=None if job is None else authority_of(job.meta))
+                else:
+                    verdict = self.authorizer(tool, dict(args))
             except Exception as exc:
                 raise Refused(f"{tool} refused by the authorizer: {message_of(exc)}") from None
             if verdict is None or verdict is True:
@@ -383,6 +444,16 @@ class Guard:
             f"{tool} is refused: mutations are disabled. Start with --allow-mutations "
             "(a trusted local client) or --authorizer module:callable"
         )
+
+
+def _takes_authority(authorizer: Authorizer) -> bool:
+    """Whether ``authorizer`` has an ``authority`` keyword (or ``**kwargs``)."""
+    try:
+        params = inspect.signature(authorizer).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any((p.name == "authority" and p.kind is not p.POSITIONAL_ONLY)
+               or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -409,8 +480,8 @@ def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dic
         if raw is not None and not isinstance(raw, Mapping):
             raise ValidationError(f"a signal payload is a JSON object, got {shown(raw)}")
         payload = object_arg({} if raw is None else raw, "payload")
-        _exists(client, job_id)
-        guard.check(tool, {"job_id": job_id, "name": name, "payload": payload})
+        guard.check(tool, {"job_id": job_id, "name": name, "payload": payload},
+                    _exists(client, job_id))
         woken = client.signal_job(job_id, name, payload)
         return {"job_id": job_id, "signal": name, "woken": woken}
     if tool == "steer_job":
@@ -419,18 +490,18 @@ def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dic
             raise ValidationError(f"steering is a JSON object like {{\"instruction\": \"…\"}} "
                                   f"in payload, got {shown(raw)}")
         payload = object_arg(raw, "payload")
-        _exists(client, job_id)
-        guard.check(tool, {"job_id": job_id, "payload": payload})
+        guard.check(tool, {"job_id": job_id, "payload": payload}, _exists(client, job_id))
         woken = client.steer_job(job_id, payload)
         return {"job_id": job_id, "steered": True, "woken": woken}
     if tool == "top_up":
         usd, tokens = args.get("usd"), args.get("tokens")
         check_top_up(usd, tokens)
-        _exists(client, job_id)
-        guard.check(tool, {"job_id": job_id, "usd": usd, "tokens": tokens})
+        guard.check(tool, {"job_id": job_id, "usd": usd, "tokens": tokens},
+                    _exists(client, job_id))
         job, resumed = client._top_up(job_id, usd, tokens)
         return {"job_id": job_id, "resumed": resumed, "job": job_view(job)}
-    guard.check(tool, {"job_id": job_id})
+    guard.check(tool, {"job_id": job_id},
+                _exists(client, job_id) if _takes(guard) else None)
     if tool == "cancel_job":
         return {"job_id": job_id, "status": client.cancel_job(job_id)}
     return {"job_id": job_id, "job": job_view(client.retry_job(job_id))}
@@ -470,11 +541,17 @@ def _schedule_mutation(client: Any, guard: Guard, tool: str, args: Mapping[str, 
     return {"schedule": declared.to_dict()}
 
 
-def _exists(client: Any, job_id: int) -> None:
-    """The client stores a signal for any scope; for a job that isn't there,
-    every surface answers not found instead."""
-    if client.get_job(job_id) is None:
+def _exists(client: Any, job_id: int) -> Job:
+    """The job a mutation is for. The client stores a signal for any scope;
+    for a job that isn't there, every surface answers not found instead."""
+    job = client.get_job(job_id)
+    if job is None:
         raise JobNotFound(job_id)
+    return job  # type: ignore[no-any-return]
+
+
+def _takes(guard: Guard) -> bool:
+    return guard.authorizer is not None and _takes_authority(guard.authorizer)
 
 
 def cron_view(cron: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from belay.codec import dumps, encode_value
 from belay.context import BudgetExceeded, CancelRequested, Sleep, StepValueRefused
-from belay.errors import NoProgress, ValidationError
+from belay.errors import AuthorityExceeded, NoProgress, ValidationError
 
 #: How much of a traceback an error entry keeps (the errors column grows with
 #: every attempt; twenty attempts of full tracebacks would bloat every read).
@@ -244,6 +244,9 @@ def _decide(returned: Any, raised: BaseException | None, attempt: int, max_attem
             )
     if isinstance(raised, (BudgetExceeded, NoProgress)):
         return Outcome("failed", error=raised.entry)
+    if isinstance(raised, AuthorityExceeded):
+        return Outcome("failed", error={"error": storable(f"authority exceeded: {raised}"),
+                                        "authority_exceeded": True, "attempt": attempt})
     if isinstance(raised, StepValueRefused):
         return Outcome("failed", error={"error": storable(f"bad step value: {raised}"),
                                         "attempt": attempt})

@@ -19,6 +19,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import set_json_loads
 
 from belay import budget, names
+from belay.authority import authority_of
 from belay.codec import dumps, loads
 from belay.connect import pooler_error
 from belay.enqueue import Row
@@ -302,6 +303,21 @@ def finished_since(conn: Conn, since: datetime) -> list[dict[str, Any]]:
     return _rows(conn, "finished_since", (since,))
 
 
+def spend_by(conn: Conn, params: Mapping[str, Any], *, jit_off: bool = False
+             ) -> list[dict[str, Any]]:
+    """Spend of the jobs of a range, grouped (:class:`belay.spend.Query` builds
+    ``params``). ``jit_off``: turn JIT off first, for the rest of the
+    transaction ``conn`` is in (belay's own, not a caller's)."""
+    if jit_off:
+        _rows(conn, "spend_jit_off")
+    return _rows(conn, "spend_by", params)
+
+
+def spend_tree(conn: Conn, job_id: int) -> list[dict[str, Any]]:
+    """Spend of a job and all its descendants, per kind."""
+    return _rows(conn, "spend_tree", {"job_id": job_id})
+
+
 def list_steps(conn: Conn, job_id: int) -> list[Step]:
     return [Step.from_row(r) for r in _rows(conn, "list_steps", (job_id,))]
 
@@ -564,6 +580,10 @@ def top_up(conn: Conn, job_id: int, usd_micros: int, tokens: int, now: datetime
         raise ValidationError(budget.top_up_refusal(job))
     usd = budget.raised(job.budget_usd_micros, usd_micros, "USD", job_id)
     more = budget.raised(job.budget_tokens, tokens, "token", job_id)
+    granted = authority_of(job.meta)
+    if granted is not None:  # a top-up never lifts a cap past the job's authority
+        granted.check_budget(usd if usd_micros else None, more if tokens else None,
+                             f"job {job_id}", required=False)
     need = budget.pause_need(job.await_name) if job.state == "awaiting" else None
     wake = need is not None and not budget.exceeded({
         "budget_usd_micros": usd, "spent_usd_micros": job.spent_usd_micros,

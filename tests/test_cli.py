@@ -61,16 +61,16 @@ def test_migrate_on_empty_database_then_again(
     first = run_cli("migrate", "--url", url)
     assert first.returncode == 0, first.stderr
     assert "applied migration(s) 1, 2, 3, 4" in first.stdout
-    assert "schema revision 5, contract major 1" in first.stdout
+    assert "schema revision 6, contract major 1" in first.stdout
     assert first.stderr == ""
-    assert meta_versions(empty_db_url) == [1, 2, 3, 4, 5]
+    assert meta_versions(empty_db_url) == [1, 2, 3, 4, 5, 6]
 
     second = run_cli("migrate", "--url", url)
     assert second.returncode == 0, second.stderr
     assert "already up to date" in second.stdout
     assert "applied" not in second.stdout
     assert second.stderr == ""
-    assert meta_versions(empty_db_url) == [1, 2, 3, 4, 5]
+    assert meta_versions(empty_db_url) == [1, 2, 3, 4, 5, 6]
 
 
 def test_migrate_upgrades_a_reference_revision_2_database(empty_db_url: str) -> None:
@@ -87,8 +87,8 @@ def test_migrate_upgrades_a_reference_revision_2_database(empty_db_url: str) -> 
 
     result = run_cli("migrate", "--url", empty_db_url)
     assert result.returncode == 0, result.stderr
-    assert "applied migration(s) 3, 4, 5;" in result.stdout
-    assert meta_versions(empty_db_url) == [1, 2, 3, 4, 5]
+    assert "applied migration(s) 3, 4, 5, 6;" in result.stdout
+    assert meta_versions(empty_db_url) == [1, 2, 3, 4, 5, 6]
 
 
 def test_migrate_refuses_a_newer_contract_major(db_url: str) -> None:
@@ -109,7 +109,7 @@ def test_check_on_migrated_database_reports_revision_and_major(
 ) -> None:
     result = run_cli("check", "--url", form(db_url))
     assert result.returncode == 0, result.stderr
-    assert "schema revision 5, contract major 1" in result.stdout
+    assert "schema revision 6, contract major 1" in result.stdout
     assert result.stderr == ""
 
 
@@ -136,7 +136,7 @@ def test_check_accepts_a_newer_revision_within_major_1(db_url: str) -> None:
         conn.execute("INSERT INTO belay_meta (version, contract_major) VALUES (5, 1)")
     result = run_cli("check", "--url", db_url)
     assert result.returncode == 0, result.stderr
-    assert "schema revision 5, contract major 1" in result.stdout
+    assert "schema revision 6, contract major 1" in result.stdout
 
 
 # -- URLs and the environment -------------------------------------------------------------------
@@ -146,16 +146,16 @@ def test_database_url_comes_from_the_environment_without_url(empty_db_url: str) 
     migrated = run_cli("migrate", env_url=empty_db_url)
     assert migrated.returncode == 0, migrated.stderr
     assert "applied migration(s) 1, 2, 3, 4" in migrated.stdout
-    assert meta_versions(empty_db_url) == [1, 2, 3, 4, 5]
+    assert meta_versions(empty_db_url) == [1, 2, 3, 4, 5, 6]
     checked = run_cli("check", env_url=as_uri(empty_db_url))
     assert checked.returncode == 0, checked.stderr
-    assert "schema revision 5" in checked.stdout
+    assert "schema revision 6" in checked.stdout
 
 
 def test_url_option_wins_over_the_environment(db_url: str, empty_db_url: str) -> None:
     result = run_cli("check", "--url", db_url, env_url=empty_db_url)
     assert result.returncode == 0, result.stderr
-    assert "schema revision 5" in result.stdout
+    assert "schema revision 6" in result.stdout
 
 
 @pytest.mark.parametrize("env_url", [None, ""], ids=["unset", "empty"])
@@ -194,7 +194,7 @@ def test_installed_console_script_runs_the_same_cli(db_url: str) -> None:
         capture_output=True, text=True, env=env, timeout=60, check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert "schema revision 5, contract major 1" in result.stdout
+    assert "schema revision 6, contract major 1" in result.stdout
 
 
 def test_no_command_is_a_usage_error() -> None:

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 from wsgiref.util import setup_testing_defaults
 
 import psycopg
@@ -32,7 +33,9 @@ import belay
 from belay import ops
 from belay.dashboard import dag, make_app, pages
 from belay.dashboard.markup import Safe, escape
+from belay.testing import drain
 from tests.helpers import insert_job, job_row, signal_rows
+from tests.test_spend import agents, seeded
 
 HOST = "127.0.0.1:8766"
 TOKEN = "s3cret-token-for-tests"
@@ -903,3 +906,272 @@ def test_the_schedules_page_shows_schedules_and_crons_escaped(client, sql_conn, 
     assert [c["name"] for c in data["crons"]] == ["digest"]
     assert re.findall(r"<script[^>]*>", page.text) == [
         '<script src="/static/dashboard.js" defer>']
+
+
+# -- Spend ----------------------------------------------------------------------------------
+
+WEEK_RANGE = {"since": "2026-02-28T00:00:00Z", "until": "2026-03-08T00:00:00Z"}
+
+
+def spending_jobs(client: belay.Belay, clock: belay.ManualClock) -> dict[str, int]:
+    """tests/test_spend.py's jobs (four that spent over two days, 1 March 12:00
+    and 2 March 13:00 UTC, two queues, three customers; one that spent
+    nothing), with markup for one customer. The clock ends at the last enqueue."""
+    return seeded(client, clock, customer=P_SCRIPT)
+
+
+def bars(page: str) -> list[dict[str, Any]]:
+    """The spend chart's bars: key, USD (micro-dollars), jobs and height."""
+    found = re.findall(r'<rect class="bar" data-key="([^"]*)" data-usd-micros="(\d+)" '
+                       r'data-jobs="(\d+)" x="[^"]*" y="[^"]*" width="[^"]*" height="([^"]*)">',
+                       page)
+    return [{"key": k, "usd_micros": int(u), "jobs": int(j), "height": float(h)}
+            for k, u, j, h in found]
+
+
+def groups(page: str) -> list[list[str]]:
+    """The cells of the spend table's group rows, as text."""
+    match = re.search(r'<table class="spend" id="spend-groups">.*?<tbody>(.*?)</tbody>', page,
+                      re.S)
+    assert match, "no spend table"
+    return [[html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+             for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+            for row in re.findall(r'<tr class="group">(.*?)</tr>', match[1], re.S)]
+
+
+def total_row(page: str) -> list[str]:
+    match = re.search(r'<tr id="spend-total">(.*?)</tr>', page, re.S)
+    assert match, "no total"
+    return [html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+            for cell in re.findall(r"<td[^>]*>(.*?)</td>", match[1], re.S)]
+
+
+def test_the_spend_page_charts_usd_per_day_and_lists_the_groups(client, clock, app):
+    spending_jobs(client, clock)
+    page = call(app, "GET", "/spend", query=urlencode({"by": "kind", **WEEK_RANGE}))
+    assert page.status == 200, page.text
+    text = page.text
+    assert '<a href="/spend">Spend</a>' in text  # in the nav, on every page
+    assert '<a href="/spend">Spend</a>' in call(app, "GET", "/").text
+    # A bar a day over the eight days of the range, empty ones included.
+    chart = bars(text)
+    assert [b["key"] for b in chart] == [f"2026-02-{d}" for d in (28,)] + [
+        f"2026-03-0{d}" for d in range(1, 8)]
+    spent = {b["key"]: (b["usd_micros"], b["jobs"]) for b in chart if b["usd_micros"]}
+    assert spent == {"2026-03-01": (1_750_000, 2), "2026-03-02": (2_125_000, 2)}
+    heights = {b["key"]: b["height"] for b in chart}
+    assert heights["2026-03-02"] == max(heights.values()) > 0  # the largest is the scale
+    assert heights["2026-03-01"] == pytest.approx(heights["2026-03-02"] * 1_750_000 / 2_125_000,
+                                                  abs=0.01)
+    assert heights["2026-02-28"] == 0
+    assert 'data-unit="day"' in text and "USD per day" in text
+    # The groups, largest first, with jobs, USD, tokens and share of the total.
+    assert groups(text) == [["write", "2", "$3.00", "6,000", "77.4%"],
+                            ["research", "2", "$0.875", "1,510", "22.6%"]]
+    assert total_row(text) == ["total", "4", "$3.875", "7,510", "100.0%"]
+    assert "spend-capped" not in text
+    assert "jobs enqueued from 2026-02-28 00:00:00 until 2026-03-08 00:00:00" in text
+    # The form shows the question back.
+    assert 'name="since" value="2026-02-28T00:00:00Z"' in text
+    assert 'name="by" value="kind"' in text
+    assert re.findall(r"<script[^>]*>", text) == ['<script src="/static/dashboard.js" defer>']
+    assert "<style" not in text and " style=" not in text
+    assert not re.search(r"\son[a-z]+=", text)
+
+
+def test_a_range_of_48_hours_or_less_is_charted_per_hour(client, clock, app):
+    spending_jobs(client, clock)  # the clock is at 2 March 13:00, when the last two were
+    page = call(app, "GET", "/spend", query="since=24h")
+    assert page.status == 200, page.text
+    chart = bars(page.text)
+    assert 'data-unit="hour"' in page.text
+    # 1 March 13:00 up to now, the jobs enqueued this very hour included.
+    assert chart[0]["key"] == "2026-03-01T13:00" and chart[-1]["key"] == "2026-03-02T13:00"
+    assert len(chart) == 25
+    assert [(b["key"], b["usd_micros"]) for b in chart if b["usd_micros"]] == [
+        ("2026-03-02T13:00", 2_125_000)]
+    assert total_row(page.text)[:3] == ["total", "2", "$2.125"]
+    # Filters narrow the chart as much as the table.
+    slow = call(app, "GET", "/spend", query=urlencode({"queue": "slow", **WEEK_RANGE}))
+    assert [(b["key"], b["usd_micros"]) for b in bars(slow.text) if b["usd_micros"]] == [
+        ("2026-03-01", 1_000_000)]
+    assert groups(slow.text) == [["write", "1", "$1.00", "2,000", "100.0%"]]
+
+
+def test_the_spend_api_answers_the_shared_view_with_two_dimensions_and_meta(client, clock, app):
+    spending_jobs(client, clock)
+    week = urlencode(WEEK_RANGE)
+    view = call(app, "GET", "/api/spend", query=f"by=kind&{week}").json
+    assert view == ops.spend_view(client, {"by": "kind", **WEEK_RANGE})
+    assert view["total"] == {"jobs": 4, "usd": 3.875, "usd_micros": 3_875_000, "tokens": 7510}
+    crossed = call(app, "GET", "/api/spend", query=f"by=day&by=kind&{week}").json
+    assert crossed["by"] == ["day", "kind"] and crossed["groups"] == 4
+    assert [(r["key"], r["usd_micros"]) for r in crossed["rows"]] == [
+        (["2026-03-01", "write"], 1_000_000), (["2026-03-01", "research"], 750_000),
+        (["2026-03-02", "write"], 2_000_000), (["2026-03-02", "research"], 125_000)]
+    # meta.<key>=<text>, meta=key=value, meta=<JSON object> (a value that is not text).
+    for meta in ("meta.customer=acme", "meta=customer%3Dacme",
+                 "meta=" + urlquote('{"customer": "acme"}')):
+        acme = call(app, "GET", "/api/spend", query=f"{meta}&{week}").json
+        assert acme["total"]["usd_micros"] == 1_750_000, meta
+    seven = call(app, "GET", "/api/spend", query="meta=" + urlquote('{"customer": 7}') + "&"
+                 + week).json
+    assert seven["total"]["usd_micros"] == 2_000_000
+    capped = call(app, "GET", "/api/spend", query=f"by=meta:customer&limit=1&{week}").json
+    assert (len(capped["rows"]), capped["groups"]) == (1, 3)
+    # The page shows two dimensions as two key columns.
+    page = call(app, "GET", "/spend", query=f"by=day&by=kind&{week}")
+    assert groups(page.text)[0] == ["2026-03-01", "write", "1", "$1.00", "2,000", "25.8%"]
+    assert 'name="by" value="kind"' in page.text  # the second "by" of the form
+    # An empty second "by" (the form sends one) is one dimension.
+    single = call(app, "GET", "/api/spend", query=f"by=queue&by=&{week}").json
+    assert single["by"] == ["queue"]
+
+
+def test_a_capped_report_says_so_and_links_to_the_rest(client, clock, app):
+    spending_jobs(client, clock)
+    page = call(app, "GET", "/spend", query=urlencode({"by": "meta:customer", "limit": "2",
+                                                       **WEEK_RANGE}))
+    assert page.status == 200
+    assert len(groups(page.text)) == 2
+    assert total_row(page.text)[:3] == ["total", "4", "$3.875"]  # the whole, not the cap
+    note = re.search(r'<p class="muted" id="spend-capped">(.*?)</p>', page.text)
+    assert note and "showing 2 of 3 groups (the largest)" in html.unescape(note[1])
+    assert "limit=3" in note[1]
+
+
+def test_the_tree_view_totals_a_job_and_its_descendants_per_kind(client, clock, app):
+    registry = belay.Registry()
+    _, _, lead = agents(registry)
+    root = client.enqueue(lead, {"children": [{"calls": [[0.25, 10]]}, {"calls": [[0.5, 20]]}],
+                                 "grand": [{"calls": [[1.0, 40]]}]})
+    done = drain(client=client, registry=registry)
+    assert done["succeeded"] == 5, done
+    page = call(app, "GET", "/spend", query=f"tree={root.id}")
+    assert page.status == 200, page.text
+    assert groups(page.text) == [["research", "3", "$1.75", "70", "89.7%"],
+                                 ["lead", "2", "$0.20", "200", "10.3%"]]
+    assert total_row(page.text) == ["total", "5", "$1.95", "270", "100.0%"]
+    assert f'<a href="/jobs/{root.id}">job {root.id}</a>' in page.text
+    assert "2 level(s) deep" in page.text
+    view = call(app, "GET", "/api/spend", query=f"tree={root.id}").json
+    assert view == ops.spend_view(client, {"tree": root.id})
+    assert view["total"]["usd_micros"] == 1_950_000
+    # By tree, each root links to its job and its tree; by parent, to the parent.
+    by_tree = call(app, "GET", "/spend", query=urlencode({"by": "tree", **WEEK_RANGE})).text
+    assert (f'<a href="/jobs/{root.id}">{root.id}</a> '
+            f'<a class="more" href="/spend?tree={root.id}">tree</a>') in by_tree
+    by_parent = call(app, "GET", "/spend", query=urlencode({"by": "parent", **WEEK_RANGE})).text
+    assert f'<td class="key"><a href="/jobs/{root.id}">{root.id}</a></td>' in by_parent
+    assert '<span class="muted">(none)</span>' in by_parent  # the root has no parent
+    # The job page links to its tree's spend.
+    job = call(app, "GET", f"/jobs/{root.id}").text
+    assert f'<a href="/spend?tree={root.id}">spend of this job\'s tree</a>' in job
+
+
+@pytest.mark.parametrize(("query", "status", "says"), [
+    ("by=colour", 400, "unknown dimension 'colour'"),
+    ("by=day&by=kind&by=queue", 400, "one or two dimensions"),
+    ("by=kind&by=kind", 400, "the two dimensions are the same"),
+    ("since=last+week", 400, "a span back from until (30m, 24h, 7d, 2w)"),
+    ("since=2026-03-01T00:00:00", 400, "since is an ISO 8601 time with a zone"),
+    ("until=tomorrow", 400, "until is an ISO 8601 time with a zone"),
+    ("since=2026-03-02T00:00:00Z&until=2026-03-01T00:00:00Z", 400, "must be before until"),
+    ("limit=0", 400, "limit is an integer from 1 to 10000"),
+    ("limit=10001", 400, "limit is an integer from 1 to 10000"),
+    ("limit=ten", 400, "limit is an integer from 1 to 10000"),
+    ("tree=abc", 400, "tree is a job id"),
+    ("tree=0", 400, "tree is a job id"),
+    ("tree=999", 404, "job 999 does not exist"),
+    ("meta=acme", 400, "meta filters as key=value"),
+    ("meta=%7B%22a%22", 400, "is not valid JSON"),
+    ("meta=" + "%5B" * 3000, 400, "meta filters as key=value"),
+    ("meta=%7B%22a%22%3A" + "%5B" * 3000 + "%5D" * 3000 + "%7D", 400, "nests deeper"),
+    ("meta.=acme", 400, "meta"),
+    ("kind=%00", 400, "kind contains a NUL"),
+    ("by=%ED%A0%80", 400, "unknown dimension"),
+    ("group=kind", 400, "unknown argument(s) 'group'"),
+])
+def test_a_bad_spend_question_is_a_4xx_naming_the_problem(client, app, query, status, says):
+    for path in ("/spend", "/api/spend"):
+        reply = call(app, "GET", path, query=query)
+        assert reply.status == status, (path, reply.status, reply.body[:300])
+        text = reply.json["error"] if path.startswith("/api/") else html.unescape(reply.text)
+        assert says in text, (path, text[:500])
+
+
+def test_the_spend_page_escapes_keys_filters_and_meta_values(client, clock, app):
+    spending_jobs(client, clock)
+    registry = belay.Registry()
+
+    @belay.worker(name=P_IMG, queue="default", registry=registry)
+    def hostile(ctx: belay.Context) -> None:
+        ctx.step("x", lambda: None, cost=belay.Cost(usd=0.5, tokens=5))
+
+    client.enqueue(hostile, {}, meta={"customer": P_SVG, P_SCRIPT: P_IMG})
+    drain(client=client, registry=registry)
+    replies = [
+        call(app, "GET", "/spend", query=urlencode({"by": "meta:customer", **WEEK_RANGE})),
+        call(app, "GET", "/spend", query=urlencode([("by", "kind"), ("by", ""),
+                                                    *WEEK_RANGE.items()])),
+        call(app, "GET", "/spend", query=urlencode({"by": f"meta:{P_SCRIPT}", "kind": P_IMG,
+                                                    "meta": f"customer={P_SVG}",
+                                                    f"meta.{P_SCRIPT}": P_IMG, **WEEK_RANGE})),
+    ]
+    for reply in replies:
+        assert reply.status == 200, reply.text
+        for raw in ("<script>alert", "<img", "<svg onload"):
+            assert raw not in reply.text
+    by_customer = [row[0] for row in groups(replies[0].text)]
+    assert P_SCRIPT in by_customer and P_SVG in by_customer  # shown as text
+    kinds = [row[0] for row in groups(replies[1].text)]
+    assert kinds[0] == "write" and P_IMG in kinds
+    filtered = replies[2].text
+    assert groups(filtered) == [[P_IMG, "1", "$0.50", "5", "100.0%"]]
+    assert f'name="kind" value="{html.escape(P_IMG)}"' in filtered
+    assert f'name="meta" value="customer={html.escape(P_SVG)}"' in filtered
+    assert (f'<input type="hidden" name="meta.{html.escape(P_SCRIPT)}" '
+            f'value="{html.escape(P_IMG)}">') in filtered
+    api = call(app, "GET", "/api/spend", query=urlencode({"by": "meta:customer",
+                                                         **WEEK_RANGE}))
+    assert "<" not in api.text
+    assert P_SVG in [row["key"][0] for row in api.json["rows"]]
+    # A bad value echoed in an error is escaped too.
+    bad = call(app, "GET", "/spend", query=urlencode({"by": P_SCRIPT}))
+    assert bad.status == 400 and "<script>alert" not in bad.text
+
+
+def test_the_query_keeps_every_value_of_a_repeated_name():
+    from belay.dashboard.app import all_values, parse_query
+
+    query = parse_query("by=day&kind=a&by=kind&by=&kind=b")
+    assert query == {"by": "day", "kind": "a"}  # each name's first value, as before
+    assert all_values(query, "by") == ["day", "kind"]  # a blank value is none
+    assert all_values({"by": "day"}, "by") == ["day"] and all_values({}, "by") == []
+
+
+def test_the_chart_fills_empty_buckets_and_turns_to_months_past_two_years():
+    from belay.dashboard import spending
+
+    def series(since: str, until: str, unit: str, rows: list[tuple[str, int]]) -> dict[str, Any]:
+        return {"since": since, "until": until, "unit": unit, "groups": len(rows),
+                "rows": [{"key": [k], "jobs": 1, "usd_micros": u, "tokens": 1} for k, u in rows]}
+
+    week = {"since": "2026-03-01T00:00:00+00:00", "until": "2026-03-08T00:00:00+00:00"}
+    assert spending.unit_of(week) == "day"
+    assert spending.unit_of({**week, "until": "2026-03-03T00:00:00+00:00"}) == "hour"
+    assert spending.unit_of({**week, "until": "2029-03-01T00:00:00+00:00"}) == "month"
+    # A zone other than UTC is read as the UTC the keys are in.
+    hours = spending.buckets(series("2026-03-01T02:30:00+02:00", "2026-03-01T03:00:00+00:00",
+                                    "hour", []))
+    assert [b["key"] for b in hours] == ["2026-03-01T00:00", "2026-03-01T01:00",
+                                         "2026-03-01T02:00"]
+    months = spending.buckets(series("2025-11-20T00:00:00+00:00", "2026-02-02T00:00:00+00:00",
+                                     "month", [("2025-12-01", 5), ("2025-12-31", 7),
+                                               ("2026-02-01", 1)]))
+    assert [(b["key"], b["usd_micros"], b["jobs"]) for b in months] == [
+        ("2025-11", 0, 0), ("2025-12", 12, 2), ("2026-01", 0, 0), ("2026-02", 1, 1)]
+    empty = spending.chart(series(week["since"], week["until"], "day", []))
+    assert len(bars(empty)) == 7 and {b["height"] for b in bars(empty)} == {0.0}
+    assert spending.dollars(3_875_000) == "$3.875" and spending.dollars(1_234_500_000) == \
+        "$1,234.50" and spending.dollars(-10) == "-$0.00001"

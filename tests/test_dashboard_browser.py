@@ -28,6 +28,7 @@ from tests.test_dashboard import (
     agent_workflow,
     hostile_job,
     run_dashboard,
+    spending_jobs,
 )
 
 CHROMIUM = "/usr/bin/chromium"
@@ -273,3 +274,28 @@ def test_the_read_only_dashboard_offers_no_actions(page, db_url, client):
         expect(page.locator(".readonly")).to_contain_text("read-only")
         expect(page.locator("button[data-action]")).to_have_count(0)
         expect(page.locator("#token-form")).to_have_count(0)
+
+
+def test_the_spend_page_draws_its_chart_and_shows_meta_values_as_text(page, dashboard, client,
+                                                                       clock):
+    """No script builds the chart: the inline SVG the server rendered passes the
+    Content-Security-Policy, and a markup meta value is a table cell's text."""
+    spending_jobs(client, clock)
+    watch = Watch(page)
+    window = "since=2026-02-28T00:00:00Z&until=2026-03-08T00:00:00Z"
+    page.goto(f"{dashboard}/spend?by=meta:customer&{window}")
+    chart = page.locator("svg#spend-chart")
+    expect(chart).to_be_visible()
+    assert chart.locator("rect.bar").count() == 8
+    tallest = chart.locator('rect.bar[data-key="2026-03-02"]').bounding_box()
+    assert tallest is not None and tallest["height"] > 50
+    expect(page.locator("#spend-groups tbody td.key").first).to_have_text("7")
+    expect(page.locator("#spend-groups tbody")).to_contain_text(P_SCRIPT)
+    expect(page.locator("#spend-total")).to_contain_text("$3.875")
+    assert page.locator("script").count() == 1 and page.locator("img").count() == 0
+    page.locator("#spend-form input[name=since]").fill("24h")
+    page.locator("#spend-form button[type=submit]").click()
+    expect(page.locator("h1")).to_contain_text("by meta:customer")
+    page.goto(f"{dashboard}/spend?tree=1")
+    expect(page.locator("#spend-total")).to_contain_text("$0.75")
+    assert watch.dialogs == [] and watch.errors == [], (watch.dialogs, watch.errors)

@@ -77,6 +77,9 @@ def test_schema_severities():
     assert "CREATE INDEX CONCURRENTLY belay_jobs_state_queue_id_idx" in behind.fix
     assert "WHERE id > 0" in behind.fix
     assert "CONCURRENTLY" not in doctor.schema_finding(SchemaStatus(4, 1), 5).fix
+    spend = doctor.schema_finding(SchemaStatus(5, 1), 6).fix
+    assert "revision 6" in spend and "CONCURRENTLY belay_jobs_spend_idx" in spend
+    assert "state_queue" not in spend
     assert doctor.schema_finding(SchemaStatus(5, 1), 3).severity == "info"
     missing = doctor.schema_finding(SchemaStatus(0, None), 3)
     assert missing.severity == "error" and "no belay schema" in missing.summary

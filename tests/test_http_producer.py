@@ -56,7 +56,7 @@ def test_a_bare_job_takes_belay_defaults() -> None:
     assert (spec.kind, spec.input, spec.meta) == ("t", {}, {})
     assert spec.kwargs() == {"queue": None, "priority": None, "delay": None, "run_at": None,
                              "max_attempts": None, "unique": None, "budget": None,
-                             "meta": None}
+                             "meta": None, "authority": None}
 
 
 @pytest.mark.parametrize(("options", "field", "value"), [
@@ -66,6 +66,8 @@ def test_a_bare_job_takes_belay_defaults() -> None:
     ({"queue": "billing"}, "queue", "billing"),
     ({"priority": -5}, "priority", -5),
     ({"budget": {"usd": 1.5, "tokens": 10}}, "budget", {"usd": 1.5, "tokens": 10}),
+    ({"authority": {"tools": ["search"], "usd": 2}}, "authority",
+     {"tools": ["search"], "usd": 2}),
     ({"delay": 1.5}, "delay", timedelta(milliseconds=1500)),
     ({"delay": 0.0005}, "delay", timedelta(milliseconds=1)),  # halfway rounds up
     ({"delay": 0.0004}, "delay", timedelta(0)),
@@ -150,6 +152,11 @@ def test_round_ms_rounds_halves_away_from_zero() -> None:
     ({"task": "t", "options": {"budget": {"eur": 1}}}, "unknown budget key(s) 'eur'"),
     ({"task": "t", "options": {"budget": {"usd": -1}}}, "budget usd must be a finite number"),
     ({"task": "t", "options": {"budget": {"tokens": -1}}}, "budget tokens must be between"),
+    ({"task": "t", "options": {"authority": ["search"]}}, "authority must be a JSON object"),
+    ({"task": "t", "options": {"authority": {"tools": "search"}}},
+     "authority tools is a list of names"),
+    ({"task": "t", "options": {"authority": {"usd": 1}, "budget": {"usd": 2}}},
+     "a budget of $2 is more than the $1 this job may hold"),
     ({"task": "t", "options": {"backoff": "exp"}}, "backoff must be a JSON object"),
     ({"task": "t", "options": {"backoff": {"type": "linear", "base_ms": 1, "max_ms": 2}}},
      "backoff type must be 'exponential'"),
@@ -199,7 +206,8 @@ def test_enqueue_returns_201_with_the_job(api: TestClient, sql_conn: Conn) -> No
     response = post_job(api, {"task": "billing.capture.v1", "args": {"invoice_id": "inv-42"},
                               "options": {"retries": 2, "queue": "billing", "priority": 3,
                                           "timeout": 30, "delay": 5,
-                                          "budget": {"usd": 0.5, "tokens": 100}}})
+                                          "budget": {"usd": 0.5, "tokens": 100},
+                                          "authority": {"queues": ["billing"]}}})
     assert response.status_code == 201, response.text
     job = response.json()
     assert response.headers["location"] == f"/jobs/{job['id']}"
@@ -208,7 +216,7 @@ def test_enqueue_returns_201_with_the_job(api: TestClient, sql_conn: Conn) -> No
     assert (row["kind"], row["queue"], row["state"], row["max_attempts"], row["priority"]) == (
         "billing.capture.v1", "billing", "ready", 3, 3)
     assert row["input"] == {"invoice_id": "inv-42"}
-    assert row["meta"] == {"$timeout_ms": 30_000}
+    assert row["meta"] == {"$timeout_ms": 30_000, "$authority": {"queues": ["billing"]}}
     assert row["ready_at"] == START + timedelta(seconds=5)
     assert (row["budget_usd_micros"], row["budget_tokens"]) == (500_000, 100)
     assert job["input"] == {"invoice_id": "inv-42"} and job["max_attempts"] == 3

@@ -562,6 +562,23 @@ def test_a_budget_crossing_stops_the_agent_at_that_call(
     assert failed.spent_tokens == 2 * jobs.TOKENS
 
 
+def test_a_tool_outside_the_jobs_authority_fails_the_job_before_it_runs(
+    client: belay.Belay, registry: belay.Registry
+) -> None:
+    calls: list[int] = []
+    agent_worker(registry, "agent.authority", calls, rounds=2)
+    allowed = client.enqueue("agent.authority", authority={"tools": ["add"]})
+    refused = client.enqueue("agent.authority", authority={"tools": ["search"]})
+    assert run(client, registry) == {"succeeded": 1, "failed": 1}
+    assert client.get_job(allowed.id).state == "succeeded"  # type: ignore[union-attr]
+    failed = client.get_job(refused.id)
+    assert failed is not None and failed.state == "failed" and failed.attempt == 1
+    assert failed.errors[-1]["error"] == (
+        f"authority exceeded: tool 'add' is not allowed to job {refused.id} "
+        "(it may call search)")
+    assert not [n for n in step_names(client, refused.id) if n.startswith("langchain:tool:")]
+
+
 def test_fresh_model_calls_debit_the_rate_window(
     client: belay.Belay, registry: belay.Registry, sql_conn: Conn
 ) -> None:

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 READS = {"stats", "list_jobs", "get_job", "job_events", "workflow_status", "schedules",
-         "schedule_status"}
+         "schedule_status", "spend"}
 WRITES = set(ops.MUTATIONS)
 
 
@@ -174,6 +174,9 @@ def test_stdio_session_reads_what_the_database_holds(
                                                  {"workflow_id": seed.workflow}))
         [load] = [j for j in out["workflow"]["jobs"] if j["name"] == "load"]
         out["member"] = ok(await mcp.call_tool("get_job", {"job_id": load["id"]}))
+        out["spend"] = ok(await mcp.call_tool("spend", {"by": ["kind"], "since": "52w"}))
+        out["tree"] = ok(await mcp.call_tool("spend", {"tree": seed.agent}))
+        out["bad_by"] = refused(await mcp.call_tool("spend", {"by": "colour"}))
         out["missing"] = refused(await mcp.call_tool("get_job", {"job_id": 987654}))
         out["no_wf"] = refused(await mcp.call_tool("workflow_status", {"workflow_id": "nope"}))
         return out
@@ -260,6 +263,17 @@ def test_stdio_session_reads_what_the_database_holds(
     assert out["member"]["workflow"] == wf
 
     assert "no job 987654" in out["missing"]
+
+    # spend: each kind's own spend, as the journal's costs sum it (no charge-backs here).
+    expected_spend = {
+        r["kind"]: [r["usd_micros"], r["tokens"]] for r in rows(
+            sql_conn, "SELECT kind, sum(spent_usd_micros)::bigint AS usd_micros, "
+            "sum(spent_tokens)::bigint AS tokens FROM belay_jobs "
+            "WHERE spent_usd_micros <> 0 OR spent_tokens <> 0 GROUP BY kind")}
+    assert expected_spend and {row["key"][0]: [row["usd_micros"], row["tokens"]]
+                               for row in out["spend"]["rows"]} == expected_spend
+    assert out["tree"]["job_id"] == seed.agent and out["tree"]["total"]["jobs"] >= 2
+    assert "unknown dimension 'colour'" in out["bad_by"]
     assert "no workflow 'nope'" in out["no_wf"]
     assert "Traceback" not in errlog.read_text()
 

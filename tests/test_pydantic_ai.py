@@ -206,6 +206,43 @@ def test_parallel_tool_calls_are_keyed_by_call_id(jobs, agents):
     assert script.calls == 2
 
 
+# -- Authority -----------------------------------------------------------------------------
+
+
+def test_a_tool_outside_the_jobs_authority_fails_the_job_before_it_runs(jobs, agents):
+    ran: list[str] = []
+    agent = Agent(FunctionModel(Script(tool_call("lookup", {"topic": "x"}, "c1"),
+                                       tool_call("delete", {"path": "/"}, "c2"),
+                                       text("done"))),
+                  name="guarded", capabilities=[BelayDurability(events="none")])
+
+    @agent.tool_plain
+    def lookup(topic: str) -> str:
+        ran.append("lookup")
+        return topic
+
+    @agent.tool_plain
+    def delete(path: str) -> str:
+        ran.append("delete")
+        return path
+
+    @belay.worker(name="guarded", registry=agents)
+    def guarded(ctx):
+        return run_agent_job(ctx, agent, "tidy up")
+
+    job = jobs.enqueue("guarded", authority={"tools": ["lookup"]})
+    assert run(jobs, agents) == {"failed": 1}
+    failed = jobs.get_job(job.id)
+    assert failed.attempt == 1 and failed.errors[-1]["authority_exceeded"] is True
+    assert failed.errors[-1]["error"] == (
+        f"authority exceeded: tool 'delete' is not allowed to job {job.id} "
+        "(it may call lookup)")
+    assert ran == ["lookup"]  # the refused tool never ran
+    open_job = jobs.enqueue("guarded", authority={"tools": ["delete", "lookup"]})
+    assert run(jobs, agents) == {"succeeded": 1}
+    assert jobs.get_job(open_job.id).result == "done" and ran == ["lookup", "lookup", "delete"]
+
+
 # -- Budgets -------------------------------------------------------------------------------
 
 

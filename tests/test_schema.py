@@ -207,6 +207,11 @@ EXPECTED_INDEXES: dict[str, dict[str, str]] = {
             f"CREATE INDEX belay_jobs_state_queue_id_idx {_ON} (state, queue, id) "
             "WHERE (id > 0)"
         ),
+        # Migration 6: the jobs that spent, for spend analytics.
+        "belay_jobs_spend_idx": (
+            f"CREATE INDEX belay_jobs_spend_idx {_ON} (inserted_at) "
+            "WHERE ((spent_usd_micros <> 0) OR (spent_tokens <> 0))"
+        ),
     },
     "belay_steps": {
         "belay_steps_pkey": (
@@ -433,7 +438,7 @@ def test_migration_3_adds_contract_major_and_records_each_revision_once(db_url: 
             "SELECT version, count(*), min(contract_major), max(contract_major) "
             "FROM belay_meta GROUP BY version ORDER BY version"
         ).fetchall()
-    assert rows == [(1, 1, 1, 1), (2, 1, 1, 1), (3, 1, 1, 1), (4, 1, 1, 1), (5, 1, 1, 1)]
+    assert rows == [(n, 1, 1, 1) for n in range(1, 7)]
 
 
 def test_migration_3_claim_order_index_puts_null_ready_at_first(db_url: str) -> None:
@@ -568,7 +573,7 @@ def test_reference_claim_index_alone_would_sort(sql_conn: psycopg.Connection[Any
 
 
 def test_migrate_twice_applies_nothing_the_second_time(empty_db_url: str) -> None:
-    assert belay.migrate(empty_db_url) == [1, 2, 3, 4, 5]
+    assert belay.migrate(empty_db_url) == [1, 2, 3, 4, 5, 6]
     before = snapshot(empty_db_url)
     assert belay.migrate(empty_db_url) == []
     assert snapshot(empty_db_url) == before
@@ -615,9 +620,9 @@ def test_concurrent_migrations_apply_each_revision_exactly_once(server_url: str)
             results, failures = _race_migrations(url, threads)
             assert not failures, failures
             # One migrator did all the work; the others found nothing left to do.
-            assert sorted(results) == [[]] * (threads - 1) + [[1, 2, 3, 4, 5]]
+            assert sorted(results) == [[]] * (threads - 1) + [[1, 2, 3, 4, 5, 6]]
             state = snapshot(url)
-            assert state["meta"] == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+            assert state["meta"] == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1)]
             assert sorted(state["columns"]) == TABLES
             assert state["indexes"] == EXPECTED_INDEXES
 
@@ -650,9 +655,9 @@ def test_reference_revision_2_is_outdated_until_migrated(empty_db_url: str) -> N
     with belay.Belay(empty_db_url) as client, pytest.raises(SchemaOutdated, match="revision 2"):
         client.get_job(job_id)
 
-    assert belay.migrate(empty_db_url) == [3, 4, 5]
+    assert belay.migrate(empty_db_url) == [3, 4, 5, 6]
     status = belay.check_schema(empty_db_url)
-    assert (status.revision, status.contract_major) == (5, 1)
+    assert (status.revision, status.contract_major) == (6, 1)
     with belay.Belay(empty_db_url) as client:
         job = client.get_job(job_id)
     assert job is not None
@@ -661,7 +666,7 @@ def test_reference_revision_2_is_outdated_until_migrated(empty_db_url: str) -> N
     )
     with psycopg.connect(empty_db_url) as conn:
         # The reference's rows read as contract major 1 through the column default.
-        assert _meta_rows(conn) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+        assert _meta_rows(conn) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1)]
 
 
 def test_upgraded_reference_database_equals_a_fresh_belay_database(
@@ -773,7 +778,7 @@ def test_schema_status_problem(
 
 def test_schema_status_constants_are_the_contract_ones() -> None:
     assert (belay.CONTRACT_MAJOR, belay.MIN_REVISION) == (1, 3)
-    assert [m.revision for m in belay.sql.migrations()] == [1, 2, 3, 4, 5]
+    assert [m.revision for m in belay.sql.migrations()] == [1, 2, 3, 4, 5, 6]
 
 
 # -- One home for SQL (STYLE.md) and the clock rule (§2) ------------------------------------
@@ -921,7 +926,7 @@ def test_no_sql_reads_the_database_clock() -> None:
     folder = REPO / "belay" / "sql"
     files = sorted(folder.rglob("*.sql"))
     assert any(f.name == "queries.sql" for f in files)
-    assert len([f for f in files if f.parent.name == "migrations"]) == 5
+    assert len([f for f in files if f.parent.name == "migrations"]) == 6
     offenders = [
         f"{path.relative_to(REPO)}: {line.strip()}"
         for path in files
@@ -943,6 +948,6 @@ def test_clock_rule_scan_catches_a_call() -> None:
 
 def test_schema_status_values_are_plain(db_url: str) -> None:
     status = belay.check_schema(db_url)
-    assert status == SchemaStatus(5, 1)
-    assert status.describe() == "schema revision 5, contract major 1"
+    assert status == SchemaStatus(6, 1)
+    assert status.describe() == "schema revision 6, contract major 1"
 

@@ -7,9 +7,11 @@ adapts WSGI to it (``belay dashboard`` runs it under waitress);
 
 Routes, below the mount point: ``/`` (queues and recent jobs), ``/jobs``
 (filtered list), ``/jobs/<id>``, ``/workflow?id=…``, ``/doctor`` (the
-findings of :mod:`belay.doctor`), the JSON the pages poll (``/api/overview``,
-``/api/jobs``, ``/api/jobs/<id>``, ``/api/workflow?id=…``), ``/api/doctor``
-and the mutations ``POST /api/jobs/<id>/retry|cancel|signal|steer``.
+findings of :mod:`belay.doctor`), ``/schedules``, ``/spend`` (spend analytics,
+:mod:`belay.dashboard.spending`), the JSON the pages poll (``/api/overview``,
+``/api/jobs``, ``/api/jobs/<id>``, ``/api/workflow?id=…``), ``/api/doctor``,
+``/api/schedules``, ``/api/spend`` and the mutations
+``POST /api/jobs/<id>/retry|cancel|signal|steer|top-up``.
 
 Every query parameter, path segment and body field read here goes through
 :mod:`belay.ops`'s argument checks before any SQL: a bad one is a 400 naming it.
@@ -31,7 +33,7 @@ from urllib.parse import parse_qsl, urlsplit
 import psycopg
 
 from belay import names, ops
-from belay.dashboard import pages
+from belay.dashboard import pages, spending
 from belay.errors import (
     INVALID,
     REFUSED,
@@ -255,6 +257,8 @@ class Dashboard:
             if name == "api_schedules":
                 return _json(200, data)
             return _page(200, pages.schedules_page(page, data["schedules"], data["crons"]))
+        if name in ("spend", "api_spend"):
+            return self._spend(name == "api_spend", request, page)
         if name in ("jobs", "api_jobs"):
             filters, parent, before_id, limit = _list_args(request.query,
                                                            api=name == "api_jobs")
@@ -286,6 +290,29 @@ class Dashboard:
         if name == "api_workflow":
             return _json(200, view)
         return _page(200, pages.workflow_page(page, view))
+
+    def _spend(self, api: bool, request: Request, page: pages.Page) -> Response:
+        """``/api/spend``: :func:`belay.ops.spend_view` of the query string.
+
+        ``by`` names a dimension (kind, queue, day, hour, workflow, parent,
+        tree or ``meta:<key>``; repeat it for two: ``by=day&by=kind``);
+        ``since`` is an ISO time with a zone or a span back from until
+        (``30m``, ``24h``, ``7d``, ``2w``; default 7d); ``until`` an ISO time
+        (default now); ``kind``, ``queue`` and ``limit`` (1 to 10000) as the
+        CLI takes them; the meta filter is ``meta.<key>=<text>`` per key and/or
+        ``meta=key=value`` or ``meta=<JSON object>`` (for a value that is not
+        text). ``tree=<job id>`` answers that job's tree instead, per kind.
+        ``/spend`` shows the same with a chart of USD per hour (ranges up to
+        48 h), day or month."""
+        by = all_values(request.query, "by")
+        args = spending.spend_args(request.query, by)
+        view = ops.spend_view(self.client, args)
+        if api:
+            return _json(200, view)
+        if "job_id" in view:
+            return _page(200, spending.tree_page(page, view))
+        series = spending.chart_view(self.client, args, view)
+        return _page(200, spending.spend_page(page, view, series, request.query, by))
 
     # -- Reads -----------------------------------------------------------------------
 
@@ -370,6 +397,7 @@ _GET_ROUTES: tuple[tuple[str, str], ...] = (
     ("workflow", r"/workflow"),
     ("doctor", r"/doctor/?"),
     ("schedules", r"/schedules/?"),
+    ("spend", r"/spend/?"),
     ("static", r"/static/(dashboard\.css|dashboard\.js)"),
     ("api_overview", r"/api/overview"),
     ("api_jobs", r"/api/jobs"),
@@ -377,6 +405,7 @@ _GET_ROUTES: tuple[tuple[str, str], ...] = (
     ("api_workflow", r"/api/workflow"),
     ("api_doctor", r"/api/doctor"),
     ("api_schedules", r"/api/schedules"),
+    ("api_spend", r"/api/spend"),
 )
 
 
@@ -577,13 +606,33 @@ class WSGIApp:
         return self.dashboard.handle(request, self.access, base)
 
 
-def parse_query(query_string: str) -> dict[str, str]:
-    """A WSGI ``QUERY_STRING`` as :attr:`Request.query` (each name's first value).
-    Values whose bytes are not UTF-8 keep them as lone surrogates, which the
-    checks refuse by name (``kind=%ED%A0%80`` is a 400, not a search for U+FFFD)."""
-    query: dict[str, str] = {}
-    for key, value in parse_qsl(query_string, encoding="latin-1"):
-        query.setdefault(_wsgi_text(key), _wsgi_text(value))
+class QueryArgs(dict[str, str]):
+    """:attr:`Request.query` as :func:`parse_query` builds it: each name's
+    first value, and in ``every`` all of them (``by=day&by=kind``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.every: dict[str, list[str]] = {}
+
+
+def all_values(query: Mapping[str, str], name: str) -> list[str]:
+    """Every value of ``name`` in the query string (only the first one when
+    ``query`` is a plain mapping that kept no others)."""
+    if isinstance(query, QueryArgs):
+        return list(query.every.get(name, ()))
+    return [query[name]] if name in query else []
+
+
+def parse_query(query_string: str) -> QueryArgs:
+    """A WSGI ``QUERY_STRING`` as :attr:`Request.query` (each name's first value;
+    all of them in :attr:`QueryArgs.every`). Values whose bytes are not UTF-8
+    keep them as lone surrogates, which the checks refuse by name
+    (``kind=%ED%A0%80`` is a 400, not a search for U+FFFD)."""
+    query = QueryArgs()
+    for raw_key, raw_value in parse_qsl(query_string, encoding="latin-1"):
+        key, value = _wsgi_text(raw_key), _wsgi_text(raw_value)
+        query.setdefault(key, value)
+        query.every.setdefault(key, []).append(value)
     return query
 
 

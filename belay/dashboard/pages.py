@@ -108,13 +108,13 @@ def layout(page: Page, title: str, name: str, body: Safe, *, api: str = "",
         '<script src="{}" defer></script></head>'
         "<body{}><header class=\"top\"><a class=\"brand\" href=\"{}\">belay</a>"
         '<nav><a href="{}">Overview</a><a href="{}">Jobs</a><a href="{}">Schedules</a>'
-        '<a href="{}">Doctor</a></nav>'
+        '<a href="{}">Spend</a><a href="{}">Doctor</a></nav>'
         '<span class="spacer"></span>{}'
         '<span id="live" class="live" title="updates every 2 s">static</span></header>'
         '<main>{}</main></body></html>\n',
         title, page.url("/static/dashboard.css"), page.url("/static/dashboard.js"),
         data_attrs, page.url("/"), page.url("/"), page.url("/jobs"), page.url("/schedules"),
-        page.url("/doctor"), token,
+        page.url("/spend"), page.url("/doctor"), token,
         body)
 
 
@@ -311,6 +311,8 @@ def job_page(page: Page, detail: Mapping[str, Any]) -> str:
     if j.get("parent_id"):
         links.append(html('child of <a href="{}">job {}</a>',
                           page.url(f"/jobs/{int(j['parent_id'])}"), j["parent_id"]))
+    links.append(html('<a href="{}">spend of this job\'s tree</a>',
+                      page.url("/spend", tree=job_id)))
     cost = detail["journal_cost"]
     workflow = detail.get("workflow")
     graph = Safe("")

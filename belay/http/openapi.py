@@ -110,6 +110,17 @@ _OPTIONS: Final = {
                                       "description": "at least base_ms"}},
         },
         "durability": {"const": "persistent"},
+        "authority": {
+            "type": "object", "additionalProperties": False,
+            "description": "what the job may call, start and spend; jobs it starts inherit "
+                           "it and may only narrow it (docs/agents.md)",
+            "properties": {
+                **{key: {"type": "array", "maxItems": 1000,
+                         "items": {"type": "string", "minLength": 1}}
+                   for key in ("tools", "queues", "kinds")},
+                "usd": {"type": "number", "minimum": 0, "maximum": 9.2e12},
+                "tokens": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}},
+        },
     },
     "not": {"anyOf": [
         {"required": ["id", "submission_id"]},

@@ -32,7 +32,7 @@ from belay.parts.remote import BACKOFF_META, TIMEOUT_META
 BODY_FIELDS: Final = frozenset({"task", "args", "options"})
 OPTIONS: Final = frozenset({
     "id", "submission_id", "delay", "delay_ms", "run_at", "retries", "timeout",
-    "timeout_ms", "queue", "priority", "budget", "backoff", "durability",
+    "timeout_ms", "queue", "priority", "budget", "backoff", "durability", "authority",
 })
 #: Meta keys the HTTP worker protocol reads (reserved: ``$`` is belay's prefix).
 
@@ -65,12 +65,14 @@ class Enqueue:
     unique: Unique | None = None
     budget: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    authority: dict[str, Any] | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``Belay.enqueue(kind, input, **kwargs)``."""
         return {"queue": self.queue, "priority": self.priority, "delay": self.delay,
                 "run_at": self.run_at, "max_attempts": self.max_attempts,
-                "unique": self.unique, "budget": self.budget, "meta": self.meta or None}
+                "unique": self.unique, "budget": self.budget, "meta": self.meta or None,
+                "authority": self.authority}
 
 
 def parse_enqueue(body: Any, now: datetime) -> Enqueue:
@@ -144,9 +146,13 @@ def _options(task: str, args: dict[str, Any], options: dict[str, Any], now: date
     if budget is not None and not isinstance(budget, dict):
         raise invalid(f"budget must be a JSON object like {{\"usd\": 1.5, \"tokens\": 20000}}, "
                       f"got {_json_type(budget)}")
+    authority = options.get("authority")
+    if authority is not None and not isinstance(authority, dict):
+        raise invalid(f"authority must be a JSON object like {{\"tools\": [\"search\"], "
+                      f"\"usd\": 5}}, got {_json_type(authority)}")
     return Enqueue(kind=task, input=args, queue=queue, priority=priority, delay=delay,
                    run_at=run_at, max_attempts=max_attempts, unique=idempotency(options),
-                   budget=budget, meta=meta)
+                   budget=budget, meta=meta, authority=authority)
 
 
 def idempotency(options: Mapping[str, Any]) -> Unique | None:

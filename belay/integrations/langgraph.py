@@ -35,6 +35,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from belay import connect
+from belay.authority import check_tool
 from belay.client import Belay, normalize_url
 from belay.context import Context, Cost, Park, StepValueRefused, current_context
 from belay.errors import ConfigurationError, ValidationError
@@ -569,6 +570,7 @@ class BelayMiddleware(AgentMiddleware):
         ctx = current_context()
         if ctx is None:
             return handler(request)
+        check_tool(str(request.tool_call.get("name") or ""))
         key = self._tool_key(ctx, request)
         hit, journaled = ctx.journal.lookup(key)
         if not hit:
@@ -587,6 +589,7 @@ class BelayMiddleware(AgentMiddleware):
         ctx = current_context()
         if ctx is None:
             return await handler(request)
+        check_tool(str(request.tool_call.get("name") or ""))
         key = self._tool_key(ctx, request)
         hit, journaled = await asyncio.to_thread(ctx.journal.lookup, key)
         if not hit:

@@ -77,6 +77,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "pip install 'belay[pydantic-ai]'"
     ) from exc
 
+from belay.authority import check_tool
 from belay.context import TIMEOUT, Context, Cost, current_context
 from belay.errors import ConfigurationError
 from belay.outcome import describe
@@ -215,6 +216,8 @@ class _BelayBackend(JournalCallableOperationBackend[None]):
         if isinstance(operation_id, ToolsetCallToolId):
             run_ctx = _run_context(cache_key)
             assert run_ctx is not None
+            # Before anything runs or replays: a tool outside the job's authority.
+            check_tool(run_ctx.tool_name or name)
             key = f"ai:{run}/{name}@{run_ctx.run_step}:{run_ctx.tool_call_id}"
         else:
             key = f"ai:{run}/{name}#{_execution(ctx).next(f'{run}/{name}')}"

@@ -80,10 +80,11 @@ def test_migrate_builds_belays_schema_on_an_empty_database(empty_db_url, on_data
     assert "Applying belay_django.0003_contract_major... OK" in out
     assert "Applying belay_django.0004_state_queue_index... OK" in out
     assert "Applying belay_django.0005_schedules... OK" in out
-    assert meta(empty_db_url) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+    assert "Applying belay_django.0006_spend_index... OK" in out
+    assert meta(empty_db_url) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1)]
     assert recorded(empty_db_url) == migration_names()
     with psycopg.connect(empty_db_url, autocommit=True) as conn:
-        assert schema.check(conn).revision == 5
+        assert schema.check(conn).revision == 6
     # belay migrate afterwards finds nothing to do.
     assert belay.migrate(empty_db_url) == []
 
@@ -98,7 +99,8 @@ def test_migrate_after_belay_migrate_is_a_no_op(db_url, on_database):
     on_database(db_url)
     migrate()
     assert indexes(db_url) == before
-    assert meta(db_url) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]  # nothing recorded twice
+    assert meta(db_url) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1)]
+    # (nothing recorded twice)
     assert recorded(db_url) == migration_names()
 
 
@@ -108,7 +110,7 @@ def test_migrate_applies_only_the_revisions_belay_meta_lacks(empty_db_url, on_da
         conn.execute("DROP INDEX belay_jobs_lease_idx")  # revision 1's: must stay dropped
     on_database(empty_db_url)
     migrate()
-    assert meta(empty_db_url) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+    assert meta(empty_db_url) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1)]
     assert "belay_jobs_lease_idx" not in indexes(empty_db_url)
     assert "belay_jobs_claim_order_idx" in indexes(empty_db_url)  # revision 3's
     assert "belay_jobs_state_queue_id_idx" in indexes(empty_db_url)  # revision 4's
@@ -129,7 +131,7 @@ def test_sqlmigrate_prints_the_sql_file(dj):
     text = out.getvalue()
     assert "CREATE INDEX IF NOT EXISTS belay_jobs_claim_order_idx" in text
     assert "INSERT INTO belay_meta (version) VALUES (3)" in text
-    assert meta(dj) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]  # printed, not run
+    assert meta(dj) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1)]  # printed, not run
 
 
 def test_the_models_match_the_migrations(dj):

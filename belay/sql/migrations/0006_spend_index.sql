@@ -1,0 +1,22 @@
+-- belay schema revision 6. Additive only, like 4 and 5: an implementation that
+-- knows an older revision (the Elixir reference knows 3) keeps working on a
+-- database at 6.
+--
+-- Spend analytics (docs/agents.md, "Spend analytics"): cost and tokens of the
+-- jobs enqueued in a time range, by kind, queue, day or hour, parent tree or a
+-- meta key. This index holds only the jobs that spent something, by when they
+-- were enqueued, so such a read costs what the range holds of them, not what
+-- the table holds: at 10M jobs, of which most never spend, a week of spend is
+-- read without touching the rest (bench/spend_results.md).
+--
+-- inserted_at never changes. The predicate names the spend columns, so the
+-- update that journals a step with a cost is not HOT; a step without one
+-- changes neither column and stays HOT, and so do claims and acks as before
+-- (they change state, which other indexes name already).
+--
+-- On a big table, build it first without the write lock and this migration
+-- then finds it and returns at once:
+--   CREATE INDEX CONCURRENTLY belay_jobs_spend_idx ON belay_jobs (inserted_at)
+--     WHERE spent_usd_micros <> 0 OR spent_tokens <> 0;
+CREATE INDEX IF NOT EXISTS belay_jobs_spend_idx ON belay_jobs (inserted_at)
+  WHERE spent_usd_micros <> 0 OR spent_tokens <> 0;
