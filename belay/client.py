@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -21,7 +21,7 @@ from psycopg import conninfo as pg_conninfo
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
-from belay import connect, names, schema, store
+from belay import connect, names, otel, plans, schema, store
 from belay.authority import Authority, authority_of
 from belay.budget import check_top_up
 from belay.clock import Clock, SystemClock
@@ -29,7 +29,7 @@ from belay.codec import dumps_object
 from belay.context import current_context
 from belay.cron import DynamicCron, dynamic_values
 from belay.crypto import encrypt_input, parse_key
-from belay.enqueue import JobSpec, Row, Unique, build_row, spec_from
+from belay.enqueue import JobSpec, Row, Unique, build_row, spec_from, with_trace
 from belay.errors import (
     ConfigurationError,
     JobCancelled,
@@ -130,7 +130,40 @@ def normalize_url(url: str) -> str:
     return url
 
 
-class Belay:
+class ClientSettings:
+    """What every client checks and keeps (:class:`Belay`,
+    :class:`belay.aio.AsyncBelay`): where and how to connect, the clock, the
+    registry, the encryption key."""
+
+    def __init__(self, url: str, *, clock: Clock | None, notify: bool, min_pool_size: int,
+                 max_pool_size: int, verify_schema: bool, application_name: str,
+                 registry: Registry | None, encryption_key: bytes | str | None,
+                 pooler: str | None, direct_url: str | None) -> None:
+        self.conninfo = normalize_url(url)
+        #: "transaction" or "transaction-prepared" behind a transaction-pooling
+        #: pooler, else None.
+        self.pooler = connect.pooler_setting(pooler)
+        direct = connect.direct_url_setting(direct_url)
+        #: A URL that reaches the server directly (LISTEN, replay), if given.
+        self.direct_url = None if direct is None else normalize_url(direct)
+        if min_pool_size < 0 or max_pool_size < max(1, min_pool_size):
+            raise ConfigurationError(
+                f"pool sizes must satisfy 0 <= min_pool_size <= max_pool_size and "
+                f"max_pool_size >= 1; got {min_pool_size} and {max_pool_size}"
+            )
+        self.clock: Clock = clock or SystemClock()
+        #: Where a kind given as a string finds its worker's enqueue defaults.
+        self.registry = registry if registry is not None else DEFAULT_REGISTRY
+        #: AES-256 key for encrypted input (``encrypt=True``; extra ``crypto``).
+        self.encryption_key = parse_key(encryption_key)
+        self.notify = notify
+        self._pool_sizes = (min_pool_size, max_pool_size)
+        self._application_name = application_name
+        self._verify = verify_schema
+        self._verified = False
+
+
+class Belay(ClientSettings):
     """One belay instance: a database, a clock and a connection pool.
 
     ``url`` is a PostgreSQL URL. ``clock`` supplies "now" (contract §2).
@@ -165,28 +198,10 @@ class Belay:
         pooler: str | None = None,
         direct_url: str | None = None,
     ) -> None:
-        self.conninfo = normalize_url(url)
-        #: "transaction" or "transaction-prepared" behind a transaction-pooling
-        #: pooler, else None.
-        self.pooler = connect.pooler_setting(pooler)
-        direct = connect.direct_url_setting(direct_url)
-        #: A URL that reaches the server directly (LISTEN, replay), if given.
-        self.direct_url = None if direct is None else normalize_url(direct)
-        if min_pool_size < 0 or max_pool_size < max(1, min_pool_size):
-            raise ConfigurationError(
-                f"pool sizes must satisfy 0 <= min_pool_size <= max_pool_size and "
-                f"max_pool_size >= 1; got {min_pool_size} and {max_pool_size}"
-            )
-        self.clock: Clock = clock or SystemClock()
-        #: Where a kind given as a string finds its worker's enqueue defaults.
-        self.registry = registry if registry is not None else DEFAULT_REGISTRY
-        #: AES-256 key for encrypted input (``encrypt=True``; extra ``crypto``).
-        self.encryption_key = parse_key(encryption_key)
-        self.notify = notify
-        self._pool_sizes = (min_pool_size, max_pool_size)
-        self._application_name = application_name
-        self._verify = verify_schema
-        self._verified = False
+        super().__init__(url, clock=clock, notify=notify, min_pool_size=min_pool_size,
+                         max_pool_size=max_pool_size, verify_schema=verify_schema,
+                         application_name=application_name, registry=registry,
+                         encryption_key=encryption_key, pooler=pooler, direct_url=direct_url)
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._listener: ResultListener | None = None
@@ -422,15 +437,16 @@ class Belay:
         """
         conn = _conn_or_session(conn, session)
         now = self.clock.now()
-        rows = [self._build(spec_from(item), now) for item in jobs]
-        if not rows:
+        built = [self._build(spec_from(item), now) for item in jobs]
+        if not built:
             return []
-        if conn is None and self.connection_provider is None:
-            return self._insert_own(rows, now)
-        with self.transaction(conn) as active:
-            results = self._insert(active, rows, now)
-            self.poke(active, {job.queue for job in results if not job.duplicate})
-        return results
+        with sending("enqueue", built) as rows:
+            if conn is None and self.connection_provider is None:
+                return self._insert_own(rows, now)
+            with self.transaction(conn) as active:
+                results = self._insert(active, rows, now)
+                self.poke(active, {job.queue for job in results if not job.duplicate})
+            return results
 
     def _insert_own(self, rows: Sequence[Row], now: datetime) -> list[Job]:
         """An enqueue on belay's own (autocommit) connection, in the fewest
@@ -467,30 +483,17 @@ class Belay:
         for name, spec in workflow.specs():
             with member_errors(name):
                 rows[name] = self._build(spec, now)
-        with self.transaction(conn) as active:
-            existing = store.lock_workflow(active, workflow.workflow_id)
-            if existing:
-                return workflow.existing(existing)
-            inserted = store.insert_jobs(active, list(rows.values()), now)
-            if len(inserted) != len(rows):
-                # Members carry no unique key or cron slot, so nothing can conflict.
-                raise RuntimeError("belay: a workflow member was not inserted")
+        with sending("enqueue_workflow", list(rows.values())) as traced, \
+                self.transaction(conn) as active:
+            fresh, inserted = store.run(active, plans.enqueue_workflow(
+                workflow.workflow_id, traced, now))
+            if not fresh:
+                return workflow.existing(inserted)
             self.poke(active, {job.queue for job in inserted if job.state == "ready"})
         return dict(zip(rows, inserted, strict=True))
 
     def _build(self, spec: JobSpec, now: datetime) -> Row:
-        # A kind named by string takes the registered worker's defaults, if any.
-        kind = spec.kind
-        definition = self.registry.get(kind) if isinstance(kind, str) else None
-        row = build_row(spec, now, definition, _parent_authority())
-        encrypt = spec.encrypt
-        if encrypt is None:
-            worker = kind if definition is None else definition
-            encrypt = bool(getattr(worker, "enqueue_defaults", {}).get("encrypt"))
-        if encrypt:
-            sealed = encrypt_input(spec.input or {}, self.encryption_key)
-            row = row._replace(input=dumps_object(sealed, what="input").decode())
-        return row
+        return build(spec, now, self.registry, self.encryption_key)
 
     def _insert(
         self, conn: Conn, rows: Sequence[Row], now: datetime, *, channel: str | None = None
@@ -498,49 +501,8 @@ class Belay:
         """Insert ``rows``; a skipped row's result is the holder of its key.
         With a ``channel`` (an autocommit connection), each insert statement
         pokes its own queues and commits on its own."""
-        pending = list(range(len(rows)))
-        results: list[Job | None] = [None] * len(rows)
-        # An `incomplete` holder can finish between the skipped insert and the
-        # holder lookup; then the key is free again and the row is retried.
-        for _ in range(3):
-            inserted = store.insert_jobs(conn, [rows[i] for i in pending], now,
-                                         channel=channel)
-            skipped = _match_inserted(rows, pending, inserted, results)
-            if not skipped:
-                break
-            holders = store.holders_by_unique_key(
-                conn, [k for i in skipped if (k := rows[i].unique_key) is not None]
-            )
-            slots = store.holders_by_cron_slot(
-                conn,
-                [(c, s) for i in skipped
-                 if (c := rows[i].cron_name) is not None and (s := rows[i].cron_slot) is not None],
-            )
-            pending = []
-            for i in skipped:
-                row = rows[i]
-                holder = (holders.get((row.unique_key, row.unique_mode == "incomplete"))
-                          if row.unique_key is not None
-                          else slots.get((row.cron_name, row.cron_slot)))  # type: ignore[arg-type]
-                if holder is None or (row.unique_mode == "incomplete" and holder.terminal):
-                    pending.append(i)
-                else:
-                    results[i] = holder
-            if not pending:
-                break
-        missing = [i for i, job in enumerate(results) if job is None]
-        if missing:
-            # On an autocommit connection each insert committed on its own.
-            idle = conn.info.transaction_status == TransactionStatus.IDLE
-            written = "" if not idle else (
-                "; the others are enqueued (ids "
-                + ", ".join(str(job.id) for job in results if job is not None) + ")"
-            )
-            raise ValidationError(
-                f"job(s) at position {missing} conflicted with a row that then disappeared; "
-                f"enqueue them again{written}"
-            )
-        return [job for job in results if job is not None]
+        autocommit = conn.info.transaction_status == TransactionStatus.IDLE
+        return store.run(conn, plans.enqueue(rows, now, channel=channel, autocommit=autocommit))
 
     # -- Reads -------------------------------------------------------------------
 
@@ -562,21 +524,7 @@ class Belay:
         conn: Conn | None = None,
     ) -> list[Job]:
         """Jobs newest first, filtered; page with ``before_id=<last id seen>``."""
-        if state is not None and state not in STATES:
-            raise ValidationError(f"unknown state {state!r}; states are {', '.join(STATES)}")
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise ValidationError(f"limit must be an integer from 1 to 10000, got {limit!r}")
-        if kind is not None and not isinstance(kind, str):
-            kind = getattr(kind, "kind", kind)
-        for value, what in ((queue, "queue"), (kind, "kind")):
-            if value is not None:
-                names.check_text(value, f"the {what} filter", empty=True)
-        if workflow_id is not None:
-            names.check_text(workflow_id, "the workflow_id filter", max_bytes=names.MAX_KEY_BYTES,
-                             empty=True)
-        parent_id = None if parent_id is None else _job_id(parent_id, what="parent_id")
-        before_id = None if before_id is None else _job_id(before_id, what="before_id")
-        where = store.JobFilter(queue, state, kind, workflow_id, parent_id, before_id, limit)
+        where = job_filter(queue, state, kind, workflow_id, parent_id, before_id, limit)
         with self.connection(conn) as active:
             return store.list_jobs(active, where)
 
@@ -589,12 +537,7 @@ class Belay:
                conn: Conn | None = None) -> list[Event]:
         """A job's event stream after sequence number ``after`` (0: from the start),
         at most ``limit`` of them (None: all)."""
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _MAX_ID
-        ):
-            raise ValidationError(f"limit must be an integer >= 1 or None, got {limit!r}")
-        if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= _MAX_ID:
-            raise ValidationError(f"after is a sequence number (an integer >= 0), got {after!r}")
+        check_events_page(after, limit)
         with self.connection(conn) as active:
             return store.list_events(active, _job_id(job_id), after, limit)
 
@@ -738,11 +681,8 @@ class Belay:
         self, job_id: int, payload: Mapping[str, Any], *, conn: Conn | None = None
     ) -> list[int]:
         """Leave steering guidance for a job; its next ``ctx.steering()`` reads it."""
-        if not isinstance(payload, Mapping):
-            raise ValidationError(
-                f"steering is a dict like {{'instruction': '…'}}, got {type(payload).__name__}"
-            )
-        return self._deliver(names.job_scope(_job_id(job_id)), names.STEER, payload, conn)
+        return self._deliver(names.job_scope(_job_id(job_id)), names.STEER, steering(payload),
+                             conn)
 
     def clear_signal(self, scope: str, name: str, *, conn: Conn | None = None) -> bool:
         """Delete a delivered signal; True when there was one."""
@@ -756,10 +696,9 @@ class Belay:
     def _deliver(
         self, scope: str, name: str, payload: Mapping[str, Any] | None, conn: Conn | None
     ) -> list[int]:
-        _check_scope(scope)
-        body = dumps_object(payload if payload is not None else {}, what="signal payload")
+        body = signal_body(scope, payload)
         with self.transaction(conn) as active:
-            woken = store.deliver_signal(active, scope, name, body.decode(), self.clock.now())
+            woken = store.deliver_signal(active, scope, name, body, self.clock.now())
             self.poke(active, {queue for _, queue in woken})
         return [job_id for job_id, _ in woken]
 
@@ -986,12 +925,8 @@ class Belay:
                 job = self.get_job(job_id)
                 if job is None:
                     raise JobNotFound(job_id)
-                if job.state == "succeeded":
+                if finished(job):
                     return job.result
-                if job.state == "failed":
-                    raise JobFailed(job)
-                if job.state == "cancelled":
-                    raise JobCancelled(job)
                 wait = _bounded(interval, deadline)
                 if wait is None:
                     raise TimeoutError(f"job {job_id} is still {job.state} after {timeout} s")
@@ -1054,6 +989,97 @@ def _bounded(interval: float, deadline: float | None) -> float | None:
     return None if remaining <= 0 else min(interval, remaining)
 
 
+def build(spec: JobSpec, now: datetime, registry: Registry, key: bytes | None) -> Row:
+    """One request's row, as every client builds it: a kind named by string
+    takes its registered worker's defaults, the enqueueing job's authority
+    bounds it, and its input is sealed with ``key`` when it asks for encryption."""
+    kind = spec.kind
+    definition = registry.get(kind) if isinstance(kind, str) else None
+    row = build_row(spec, now, definition, _parent_authority())
+    encrypt = spec.encrypt
+    if encrypt is None:
+        worker = kind if definition is None else definition
+        encrypt = bool(getattr(worker, "enqueue_defaults", {}).get("encrypt"))
+    if encrypt:
+        sealed = encrypt_input(spec.input or {}, key)
+        row = row._replace(input=dumps_object(sealed, what="input").decode())
+    return row
+
+
+def sending(operation: str, rows: list[Row]) -> AbstractContextManager[list[Row]]:
+    """The rows of an enqueue, inside its OpenTelemetry PRODUCER span when a
+    tracer is configured, each then carrying the span's context in its meta
+    (:mod:`belay.otel`); the rows as they are otherwise, at no cost."""
+    if not otel.enabled():
+        return nullcontext(rows)
+    return _traced(operation, rows)
+
+
+@contextmanager
+def _traced(operation: str, rows: list[Row]) -> Iterator[list[Row]]:
+    queues = {row.queue for row in rows}
+    kinds = {row.kind for row in rows}
+    with otel.producer(operation, len(rows), queue=queues.pop() if len(queues) == 1 else None,
+                       kind=kinds.pop() if len(kinds) == 1 else None) as trace:
+        yield rows if trace is None else [with_trace(row, trace) for row in rows]
+
+
+def job_filter(queue: str | None, state: str | None, kind: Any, workflow_id: str | None,
+               parent_id: int | None, before_id: int | None, limit: int) -> store.JobFilter:
+    """The checked filter of a ``list_jobs`` call."""
+    if state is not None and state not in STATES:
+        raise ValidationError(f"unknown state {state!r}; states are {', '.join(STATES)}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+        raise ValidationError(f"limit must be an integer from 1 to 10000, got {limit!r}")
+    if kind is not None and not isinstance(kind, str):
+        kind = getattr(kind, "kind", kind)
+    for value, what in ((queue, "queue"), (kind, "kind")):
+        if value is not None:
+            names.check_text(value, f"the {what} filter", empty=True)
+    if workflow_id is not None:
+        names.check_text(workflow_id, "the workflow_id filter", max_bytes=names.MAX_KEY_BYTES,
+                         empty=True)
+    parent_id = None if parent_id is None else _job_id(parent_id, what="parent_id")
+    before_id = None if before_id is None else _job_id(before_id, what="before_id")
+    return store.JobFilter(queue, state, kind, workflow_id, parent_id, before_id, limit)
+
+
+def check_events_page(after: Any, limit: Any) -> None:
+    """Refuse an ``events`` page that is not a sequence number and a size."""
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _MAX_ID
+    ):
+        raise ValidationError(f"limit must be an integer >= 1 or None, got {limit!r}")
+    if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= _MAX_ID:
+        raise ValidationError(f"after is a sequence number (an integer >= 0), got {after!r}")
+
+
+def signal_body(scope: str, payload: Mapping[str, Any] | None) -> str:
+    """A signal's scope checked and its payload encoded."""
+    _check_scope(scope)
+    return dumps_object(payload if payload is not None else {}, what="signal payload").decode()
+
+
+def steering(payload: Any) -> Mapping[str, Any]:
+    if not isinstance(payload, Mapping):
+        raise ValidationError(
+            f"steering is a dict like {{'instruction': '…'}}, got {type(payload).__name__}"
+        )
+    return payload
+
+
+def finished(job: Job) -> bool:
+    """Whether ``await_result`` is done with ``job``: True when it succeeded;
+    raises JobFailed or JobCancelled when it ended so; False while unfinished."""
+    if job.state == "succeeded":
+        return True
+    if job.state == "failed":
+        raise JobFailed(job)
+    if job.state == "cancelled":
+        raise JobCancelled(job)
+    return False
+
+
 def _parent_authority() -> tuple[Authority, str] | None:
     """The authority of the job whose code is enqueueing, if it has one: what
     it starts inherits it, narrowed at most (:mod:`belay.authority`)."""
@@ -1110,30 +1136,3 @@ def _check_signal_name(name: Any) -> None:
             f"signal names starting with '$' are reserved for belay ({name!r}); "
             "use steer_job() for steering"
         )
-
-
-def _match_inserted(
-    rows: Sequence[Row], pending: list[int], inserted: list[Job], results: list[Job | None]
-) -> list[int]:
-    """Pair inserted jobs with the requests they came from; returns the skipped ones.
-
-    Inserted rows are an in-order subsequence of the pending requests (ids are
-    drawn in input order), and a row can only be skipped for a conflict on its
-    unique key or cron slot, so a greedy in-order match on those is exact.
-    """
-    skipped: list[int] = []
-    j = 0
-    for i in pending:
-        job = inserted[j] if j < len(inserted) else None
-        if job is not None and _identity(job) == rows[i].identity():
-            results[i] = job
-            j += 1
-        else:
-            skipped.append(i)
-    if j != len(inserted):
-        raise RuntimeError("belay: inserted rows did not match the request order")
-    return skipped
-
-
-def _identity(job: Job) -> tuple[Any, ...]:
-    return (job.kind, job.queue, job.unique_key, job.unique_mode, job.cron_name, job.cron_slot)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Union
 
-from belay import budget, names, store
+from belay import budget, names, otel, store
 from belay.budget import BudgetNotice, Headroom
 from belay.codec import decode_value, dumps_object, encode_value
 from belay.enqueue import check_seconds, usd_to_micros
@@ -281,7 +281,7 @@ class Context:
         timeout stop the job here, before ``fn`` runs.
         """
         _check_step_name(name)
-        return self._step(name, fn, cost, max_cost)
+        return otel.step(self._execution, name, lambda: self._step(name, fn, cost, max_cost))
 
     async def astep(
         self,
@@ -299,19 +299,8 @@ class Context:
         fine as long as their names differ.
         """
         _check_step_name(name)
-        if self._in_step or _ASYNC_STEP.get() is self:
-            raise self._nested(name)
-        units = None if callable(cost) else cost_units(cost)
-        need = cost_units(max_cost)
-        hit, value = await asyncio.to_thread(self.journal.lookup, name, need)
-        if hit:
-            return value
-        token = _ASYNC_STEP.set(self)
-        try:
-            value = await fn()
-        finally:
-            _ASYNC_STEP.reset(token)
-        return await asyncio.to_thread(self.journal.record, name, value, cost, units, need)
+        return await otel.astep(self._execution, name,
+                                lambda: _astep(self, name, fn, cost, max_cost))
 
     def _nested(self, name: str) -> ValidationError:
         return ValidationError(
@@ -490,6 +479,24 @@ class Context:
         return kids
 
 
+async def _astep(ctx: Context, name: str, fn: Callable[[], Awaitable[T]], cost: CostSpec[T],
+                 max_cost: Cost | Mapping[str, Any] | None) -> T | Any:
+    """``ctx.astep`` once its name is checked (the journal's I/O in a thread)."""
+    if ctx._in_step or _ASYNC_STEP.get() is ctx:
+        raise ctx._nested(name)
+    units = None if callable(cost) else cost_units(cost)
+    need = cost_units(max_cost)
+    hit, value = await asyncio.to_thread(ctx.journal.lookup, name, need)
+    if hit:
+        return value
+    token = _ASYNC_STEP.set(ctx)
+    try:
+        value = await fn()
+    finally:
+        _ASYNC_STEP.reset(token)
+    return await asyncio.to_thread(ctx.journal.record, name, value, cost, units, need)
+
+
 class Journal:
     """The journal of one run (§8.2): look up and record its steps.
 
@@ -520,6 +527,7 @@ class Journal:
         with ctx.client.connection() as conn:
             found = store.step_lookup(conn, ctx.id, name)
         if found is not None and found["hit"]:
+            otel.step_replayed(name)
             return True, decode_value(found["value"])
         if found is not None:
             self._preflight(found, name, need)
@@ -536,6 +544,7 @@ class Journal:
         if units is None:
             units = self._priced(name, value, cost) if callable(cost) else cost_units(cost)
         usd_micros, tokens = units
+        otel.step_cost(name, usd_micros, tokens)
         try:
             envelope = encode_value(value, what=f"the value of step {name!r}")
         except ValidationError as exc:

@@ -15,8 +15,9 @@ from typing import Any, Final, Literal, NamedTuple
 from belay import names
 from belay.authority import AUTHORITY_KEY, Authority
 from belay.budget import BUDGET_KEYS, POLICY_KEY, parse_policy
-from belay.codec import dumps, dumps_object
+from belay.codec import dumps, dumps_object, loads
 from belay.errors import ValidationError
+from belay.otel import TRACE_KEY
 from belay.watchdog import WATCHDOG_KEY, parse_watchdog
 
 UniqueMode = Literal["incomplete", "window", "always"]
@@ -252,6 +253,16 @@ def build_row(spec: JobSpec, now: datetime, definition: Any = None,
         budget_usd_micros,
         budget_tokens,
     )
+
+
+def with_trace(row: Row, trace: Mapping[str, str]) -> Row:
+    """``row`` with the enqueue's W3C trace context in its meta (:mod:`belay.otel`);
+    a context the meta already carries (a job enqueued again from another's) is kept."""
+    meta = {} if row.meta == "{}" else loads(row.meta)
+    if TRACE_KEY in meta:
+        return row
+    meta[TRACE_KEY] = dict(trace)
+    return row._replace(meta=dumps(meta).decode())
 
 
 def _int(name: str, value: Any, low: int, high: int) -> int:

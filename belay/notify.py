@@ -26,6 +26,15 @@ from belay.sql import QUERIES
 log = logging.getLogger("belay.notify")
 
 
+def parse(payload: str) -> dict[str, Any] | None:
+    """A notification's message, or None when it is not a JSON object."""
+    try:
+        message: Any = loads(payload)
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) else None
+
+
 class Listener:
     def __init__(
         self,
@@ -61,11 +70,8 @@ class Listener:
         service.join(timeout)
 
     def _dispatch(self, payload: str) -> None:
-        try:
-            message: Any = loads(payload)
-        except ValueError:
-            return
-        if isinstance(message, dict):
+        message = parse(payload)
+        if message is not None:
             try:
                 self._on_message(message)
             except Exception:
@@ -132,14 +138,39 @@ class ResultListener:
                     del self._waiters[job_id]
 
     def _on_message(self, message: dict[str, Any]) -> None:
-        job_id = message.get("id")
-        if message.get("t") not in ("r", "e") or not isinstance(job_id, int):
+        job_id = about_job(message)
+        if job_id is None:
             return
         with self._lock:
             for event in self._waiters.get(job_id, ()):
                 if message.get("t") == "r" and isinstance(event, Wake):
                     event.outcome = message
                 event.set()
+
+
+def about_job(message: dict[str, Any]) -> int | None:
+    """The job a result or event notification (§9.2) is about; None for
+    other messages (pokes, types a newer engine sends)."""
+    job_id = message.get("id")
+    if message.get("t") not in ("r", "e") or not isinstance(job_id, int):
+        return None
+    return job_id
+
+
+def carried(outcome: dict[str, Any] | None) -> tuple[bool, Any]:
+    """``(True, result)`` when a result notification says the job succeeded
+    and carries its result; ``(False, None)`` when the row must be read."""
+    if outcome is None or outcome.get("s") != "succeeded":
+        return False, None
+    if outcome.get("n") is True:
+        return True, None
+    encoded = outcome.get("v")
+    if not isinstance(encoded, str):
+        return False, None
+    try:
+        return True, decode_value(base64.b64decode(encoded, validate=True))
+    except (ValueError, TypeError):
+        return False, None
 
 
 class Wake(threading.Event):
@@ -153,15 +184,4 @@ class Wake(threading.Event):
     def carried(self) -> tuple[bool, Any]:
         """``(True, result)`` when the notification says the job succeeded
         and carries its result; ``(False, None)`` when the row must be read."""
-        outcome = self.outcome
-        if outcome is None or outcome.get("s") != "succeeded":
-            return False, None
-        if outcome.get("n") is True:
-            return True, None
-        encoded = outcome.get("v")
-        if not isinstance(encoded, str):
-            return False, None
-        try:
-            return True, decode_value(base64.b64decode(encoded, validate=True))
-        except (ValueError, TypeError):
-            return False, None
+        return carried(self.outcome)

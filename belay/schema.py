@@ -7,7 +7,7 @@ from typing import Any
 
 import psycopg
 
-from belay import names
+from belay import names, plans
 from belay.errors import ContractMismatch, SchemaError, SchemaMissing, SchemaOutdated
 from belay.sql import QUERIES, migrations
 
@@ -60,18 +60,9 @@ class SchemaStatus:
 
 
 def read_status(conn: psycopg.Connection[Any]) -> SchemaStatus:
-    with conn.cursor() as cur:
-        exists = cur.execute(QUERIES["meta_exists"]).fetchone()
-        if not exists or not exists[0]:
-            return SchemaStatus(0, None)
-        row = cur.execute(QUERIES["meta_revision"]).fetchone()
-        revision = int(row[0]) if row else 0
-        has_major = cur.execute(QUERIES["meta_has_contract_major"]).fetchone()
-        major = None
-        if has_major and has_major[0]:
-            row = cur.execute(QUERIES["meta_contract_major"]).fetchone()
-            major = None if row is None or row[0] is None else int(row[0])
-    return SchemaStatus(revision, major)
+    from belay import store  # store's statements import this module's neighbours
+
+    return SchemaStatus(*store.run(conn, plans.schema_status()))
 
 
 def check(conn: psycopg.Connection[Any]) -> SchemaStatus:

@@ -12,24 +12,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import set_json_loads
 
-from belay import budget, names
+from belay import budget, names, plans
 from belay.authority import authority_of
 from belay.codec import dumps, loads
 from belay.connect import pooler_error
 from belay.enqueue import Row
 from belay.errors import JobNotFound, ValidationError
-from belay.job import PARKED, TERMINAL, Event, Job, Step
+from belay.job import Event, Job, Step
 from belay.queues import QueueSpec, rate_admits, rate_allowance
-from belay.settle import Member, settle
 from belay.sql import QUERIES
 
 Conn = psycopg.Connection[Any]
+T = TypeVar("T")
 
 
 def _cursor(conn: Conn) -> psycopg.Cursor[dict[str, Any]]:
@@ -94,8 +94,25 @@ def _execute(conn: Conn, query: str, params: Any = None) -> int:
         return cur.rowcount
 
 
+def run(conn: Conn, plan: plans.Plan[T]) -> T:
+    """Drive a :mod:`belay.plans` operation on ``conn``: each statement it
+    yields runs here and its answer goes back in."""
+    try:
+        call = next(plan)
+        while True:
+            if call.shape == plans.ROWS:
+                answer: Any = _rows(conn, call.query, call.params)
+            elif call.shape == plans.VALUE:
+                answer = _value(conn, call.query, call.params)
+            else:
+                answer = _execute(conn, call.query, call.params)
+            call = plan.send(answer)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
 def current_database(conn: Conn) -> str:
-    return str(_value(conn, "current_database"))
+    return run(conn, plans.current_database())
 
 
 def local_statement_timeout(conn: Conn, milliseconds: int) -> None:
@@ -105,44 +122,21 @@ def local_statement_timeout(conn: Conn, milliseconds: int) -> None:
 
 def lock(conn: Conn, key: str) -> None:
     """Take a transaction-scoped advisory lock (released at commit or rollback)."""
-    _execute(conn, "advisory_xact_lock", (key,))
+    run(conn, plans.lock(key))
 
 
 def lock_all(conn: Conn, keys: Iterable[str]) -> None:
     """Take several transaction-scoped advisory locks, in sorted order."""
-    ordered = sorted(set(keys))
-    if ordered:
-        _execute(conn, "advisory_xact_locks", (ordered,))
+    run(conn, plans.lock_all(keys))
 
 
 # -- Enqueue -------------------------------------------------------------------
 
-_ROW_FIELDS = (
-    "kind", "queue", "state", "input", "meta", "priority", "max_attempts", "partition_key",
-    "ready_at", "workflow_id", "wf_name", "wf_deps", "wf_ignore", "cron_name", "cron_slot",
-    "unique_key", "unique_mode", "parent_id", "budget_usd_micros", "budget_tokens",
-)
-
-
 def insert_jobs(
     conn: Conn, rows: Sequence[Row], now: datetime, *, channel: str | None = None
 ) -> list[Job]:
-    """§5.1: insert, skipping conflicts; returns the inserted jobs in input order.
-    With a ``channel``, the statement also pokes each inserted job's queue there
-    (§9.2), sent when its transaction commits."""
-    if len(rows) == 1:
-        row = rows[0]
-        with conn.cursor() as cur:
-            _run(cur, "insert_job", (*row, now, channel, channel))
-            found = cur.fetchone()
-        return [] if found is None else [new_job(found[0], row, now)]
-    params: dict[str, Any] = {name: [getattr(r, name) for r in rows] for name in _ROW_FIELDS}
-    params["now"] = now
-    params["channel"] = channel
-    inserted = [Job.from_row(r) for r in _rows(conn, "insert_jobs", params)]
-    # ids are drawn in input order (the statement orders by ordinality).
-    inserted.sort(key=lambda job: job.id)
-    return inserted
+    """§5.1 (:func:`belay.plans.insert_jobs`)."""
+    return run(conn, plans.insert_jobs(rows, now, channel=channel))
 
 
 def conflict_free(rows: Sequence[Row]) -> bool:
@@ -171,7 +165,7 @@ def copy_jobs(conn: Conn, rows: Sequence[Row], now: datetime) -> list[Job]:
         if translated is None:
             raise
         raise translated from exc
-    return [new_job(job_id, row, now) for job_id, row in zip(ids, rows, strict=True)]
+    return [plans.new_job(job_id, row, now) for job_id, row in zip(ids, rows, strict=True)]
 
 
 def _copy_array(encoded: str) -> str | list[str]:
@@ -179,52 +173,19 @@ def _copy_array(encoded: str) -> str | list[str]:
     return "{}" if encoded == "[]" else list(loads(encoded))
 
 
-def _text_array(encoded: str) -> list[str]:
-    return [] if encoded == "[]" else list(loads(encoded))
-
-
-def new_job(job_id: int, row: Row, now: datetime) -> Job:
-    """The job a newly inserted row became, without reading it back: every
-    column is the row's value or its fixed starting value."""
-    return Job.trusted({
-        "id": job_id, "kind": row.kind, "queue": row.queue, "state": row.state,
-        "input": loads(row.input), "meta": {} if row.meta == "{}" else loads(row.meta),
-        "priority": row.priority, "max_attempts": row.max_attempts,
-        "partition_key": row.partition_key, "ready_at": row.ready_at,
-        "workflow_id": row.workflow_id, "wf_name": row.wf_name,
-        "wf_deps": _text_array(row.wf_deps), "wf_ignore": _text_array(row.wf_ignore),
-        "cron_name": row.cron_name, "cron_slot": row.cron_slot, "unique_key": row.unique_key,
-        "unique_mode": row.unique_mode, "parent_id": row.parent_id,
-        "budget_usd_micros": row.budget_usd_micros, "budget_tokens": row.budget_tokens,
-        "errors": [], "inserted_at": now,
-    })
-
-
 def holders_by_unique_key(conn: Conn, keys: Iterable[str]) -> dict[tuple[str, bool], Job]:
-    """§5.2: the newest job holding each key, by (key, mode is ``incomplete``):
-    the two unique indexes are separate, so each mode group has its own holder."""
-    found = _rows(conn, "jobs_by_unique_keys", (list(set(keys)),))
-    return {(row["unique_key"], row["unique_mode"] == "incomplete"):
-            Job.from_row(row, duplicate=True) for row in found}
+    return run(conn, plans.holders_by_unique_key(keys))
 
 
 def holders_by_cron_slot(
     conn: Conn, slots: Iterable[tuple[str, datetime]]
 ) -> dict[tuple[str, datetime], Job]:
-    slots = list(set(slots))
-    found = _rows(
-        conn, "jobs_by_cron_slots", ([s[0] for s in slots], [s[1] for s in slots])
-    )
-    return {
-        (row["cron_name"], row["cron_slot"]): Job.from_row(row, duplicate=True) for row in found
-    }
+    return run(conn, plans.holders_by_cron_slot(slots))
 
 
 def notify(conn: Conn, channel: str, payloads: Iterable[bytes]) -> None:
     """§9.2: one pg_notify per distinct payload; transactional, so sent on commit only."""
-    distinct = sorted({p.decode() for p in payloads})
-    if distinct:
-        _execute(conn, "notify", (channel, distinct))
+    run(conn, plans.notify(channel, payloads))
 
 
 def poke_payload(queue: str) -> bytes:
@@ -244,43 +205,19 @@ def event_payload(job_id: int, seq: int) -> bytes:
 
 
 def get_job(conn: Conn, job_id: int, *, for_update: bool = False) -> Job | None:
-    found = _rows(conn, "get_job_for_update" if for_update else "get_job", (job_id,))
-    return Job.from_row(found[0]) if found else None
+    return run(conn, plans.get_job(job_id, for_update=for_update))
 
 
-@dataclass(frozen=True)
-class JobFilter:
-    queue: str | None = None
-    state: str | None = None
-    kind: str | None = None
-    workflow_id: str | None = None
-    parent_id: int | None = None
-    before_id: int | None = None
-    limit: int = 50
+JobFilter = plans.JobFilter
+list_statement = plans.list_statement
 
 
 def list_jobs(conn: Conn, where: JobFilter) -> list[Job]:
-    params = {
-        "queue": where.queue, "state": where.state, "kind": where.kind,
-        "workflow_id": where.workflow_id, "parent_id": where.parent_id,
-        "before_id": where.before_id, "limit": where.limit,
-    }
-    return [Job.from_row(r) for r in _rows(conn, list_statement(where), params)]
-
-
-def list_statement(where: JobFilter) -> str:
-    """Which ``list_jobs*`` statement serves a filter (pure): a workflow or a
-    parent has its own index; a state and/or a queue reads
-    belay_jobs_state_queue_id_idx in the page-of-ids shape."""
-    if where.workflow_id is not None or where.parent_id is not None:
-        return "list_jobs"
-    if where.state is not None:
-        return "list_jobs_in_state_queue" if where.queue is not None else "list_jobs_in_state"
-    return "list_jobs_in_queue" if where.queue is not None else "list_jobs"
+    return run(conn, plans.list_jobs(where))
 
 
 def workflow_jobs(conn: Conn, workflow_id: str) -> list[Job]:
-    return [Job.from_row(r) for r in _rows(conn, "workflow_jobs", (workflow_id,))]
+    return run(conn, plans.workflow_jobs(workflow_id))
 
 
 #: Counts per queue and state stop here by default (``Belay.stats()``, the
@@ -348,8 +285,7 @@ def count_children(conn: Conn, parent_id: int) -> int:
 
 
 def list_events(conn: Conn, job_id: int, after: int, limit: int | None = None) -> list[Event]:
-    return [Event(r["seq"], r["payload"], r["inserted_at"])
-            for r in _rows(conn, "list_events", (job_id, after, limit))]
+    return run(conn, plans.list_events(job_id, after, limit))
 
 
 def get_signal(conn: Conn, scopes: Sequence[str], name: str) -> tuple[bool, Any]:
@@ -363,29 +299,15 @@ def get_signal(conn: Conn, scopes: Sequence[str], name: str) -> tuple[bool, Any]
 def deliver_signal(
     conn: Conn, scope: str, name: str, payload_json: str, now: datetime
 ) -> list[tuple[int, str]]:
-    """Upsert the signal and wake its awaiters; returns the woken (id, queue) pairs.
-
-    Atomic: run inside a transaction. §7: the scope lock serializes this
-    against a job parking on the same scope, so no wake-up is ever lost.
-    """
-    lock(conn, names.signal_lock(scope))
-    _execute(conn, "upsert_signal", (scope, name, payload_json, now))
-    woken = _rows(conn, "wake_awaiting", {"scope": scope, "name": name, "now": now})
-    return [(r["id"], r["queue"]) for r in woken]
+    """Upsert the signal and wake its awaiters (:func:`belay.plans.deliver_signal`)."""
+    return run(conn, plans.deliver_signal(scope, name, payload_json, now))
 
 
 def deliver_signals(
     conn: Conn, scopes: Iterable[str], name: str, payload_json: str, now: datetime
 ) -> list[tuple[int, str]]:
-    """:func:`deliver_signal` to several scopes in three statements, the scope
-    locks taken in sorted order. Atomic: run inside a transaction."""
-    distinct = sorted(set(scopes))
-    if not distinct:
-        return []
-    lock_all(conn, [names.signal_lock(scope) for scope in distinct])
-    params = {"scopes": distinct, "name": name, "payload": payload_json, "now": now}
-    _execute(conn, "upsert_signals", params)
-    return [(r["id"], r["queue"]) for r in _rows(conn, "wake_awaiting_many", params)]
+    """:func:`deliver_signal` to several scopes (:func:`belay.plans.deliver_signals`)."""
+    return run(conn, plans.deliver_signals(scopes, name, payload_json, now))
 
 
 def clear_signal(conn: Conn, scope: str, name: str) -> bool:
@@ -395,144 +317,36 @@ def clear_signal(conn: Conn, scope: str, name: str) -> bool:
 # -- Cancel, retry, settlement (§7, §8.3, §8.6) ---------------------------------
 
 
-@dataclass(frozen=True)
-class Settled:
-    """What a terminal write set in motion: jobs made ready (to poke) and dooms."""
-
-    ready: list[tuple[int, str]]
-    cancelled: list[int]
-
-
-def settle_workflow(conn: Conn, workflow_id: str, now: datetime) -> tuple[
-    list[dict[str, Any]], list[dict[str, Any]]
-]:
-    """§8.3 under the workflow lock (taking it again when held is harmless);
-    returns the released and doomed rows."""
-    lock(conn, names.workflow_lock(workflow_id))
-    return settle_workflows(conn, [workflow_id], now)
+Settled = plans.Settled
+CancelOutcome = plans.CancelOutcome
+RetryOutcome = plans.RetryOutcome
 
 
 def settle_workflows(conn: Conn, workflow_ids: Sequence[str], now: datetime) -> tuple[
     list[dict[str, Any]], list[dict[str, Any]]
 ]:
-    """§8.3 for several workflows, whose locks the caller holds: one read of
-    their members, each settled on its own, one write of each kind."""
-    if not workflow_ids:
-        return [], []
-    by_workflow: dict[str, list[Member]] = {}
-    for r in _rows(conn, "workflow_members_many", (list(workflow_ids),)):
-        by_workflow.setdefault(r["workflow_id"], []).append(
-            Member(r["id"], r["wf_name"], r["state"], r["wf_deps"] or (), r["wf_ignore"] or ()))
-    release_ids: list[int] = []
-    doom_ids: list[int] = []
-    for members in by_workflow.values():
-        releases, dooms = settle(members)
-        release_ids += releases
-        doom_ids += dooms
-    released = _rows(conn, "settle_release", (now, release_ids)) if release_ids else []
-    doomed = _rows(conn, "settle_doom", (now, doom_ids)) if doom_ids else []
-    return released, doomed
+    """§8.3 for several workflows, whose locks the caller holds."""
+    return run(conn, plans.settle_workflows(workflow_ids, now))
 
 
 def after_terminal(conn: Conn, job: Job, now: datetime) -> Settled:
     """§7 "after any terminal write": settle the workflow, then tell parents."""
-    return _settle_and_notify(conn, job.workflow_id, [job.parent_id], now)
-
-
-def _settle_and_notify(
-    conn: Conn, workflow_id: str | None, parent_ids: list[int | None], now: datetime
-) -> Settled:
-    """Settle (when a workflow member) and send ``$children`` to each parent of
-    the job and of every member settlement doomed.
-
-    Lock order is workflow lock, then signal-scope locks — never the reverse.
-    Parents are told unconditionally, never gated on a sibling count (§11 R1).
-    """
-    ready: list[tuple[int, str]] = []
-    doomed: list[dict[str, Any]] = []
-    if workflow_id is not None:
-        released, doomed = settle_workflow(conn, workflow_id, now)
-        ready.extend((r["id"], r["queue"]) for r in released)
-    for parent_id in [*parent_ids, *(r["parent_id"] for r in doomed)]:
-        if parent_id is not None:
-            ready.extend(
-                deliver_signal(conn, names.job_scope(parent_id), names.CHILDREN, "{}", now)
-            )
-    return Settled(ready=ready, cancelled=[r["id"] for r in doomed])
-
-
-@dataclass(frozen=True)
-class CancelOutcome:
-    status: str  # "cancelled" | "requested" | "noop"
-    job: Job
-    settled: Settled
+    return run(conn, plans.after_terminal(job, now))
 
 
 def lock_job(conn: Conn, job_id: int) -> Job | None:
-    """Lock a job's row for a change that may settle its workflow.
-
-    Lock order, everywhere: workflow lock, then job rows, then signal-scope
-    locks. Settlement writes other members' rows, so a writer holding one
-    member's row while queueing for the workflow lock would deadlock with a
-    settler. ``workflow_id`` never changes, so reading it unlocked is safe.
-    """
-    job = get_job(conn, job_id)
-    if job is None:
-        return None
-    if job.workflow_id is not None:
-        lock(conn, names.workflow_lock(job.workflow_id))
-    return get_job(conn, job_id, for_update=True)
+    """Lock a job's row for a change that may settle its workflow (:func:`belay.plans.lock_job`)."""
+    return run(conn, plans.lock_job(job_id))
 
 
 def cancel_job(conn: Conn, job_id: int, now: datetime) -> CancelOutcome | None:
-    """§8.6: parked/held → cancelled (+ settlement, parent notify); running →
-    cancel_requested. Atomic: run inside a transaction. None when no such job."""
-    job = lock_job(conn, job_id)
-    if job is None:
-        return None
-    nothing = Settled([], [])
-    if job.state in TERMINAL:
-        return CancelOutcome("noop", job, nothing)
-    if job.state == "running":
-        _execute(conn, "request_cancel", (job_id,))
-        return CancelOutcome("requested", job.replace(cancel_requested=True), nothing)
-    if job.state not in PARKED:
-        return CancelOutcome("noop", job, nothing)
-    rows = _rows(conn, "cancel_parked", {
-        "id": job_id, "state": job.state, "now": now,
-        "error": dumps({"reason": "cancel"}).decode(),
-    })
-    cancelled = Job.from_row(rows[0])
-    return CancelOutcome("cancelled", cancelled, after_terminal(conn, cancelled, now))
-
-
-@dataclass(frozen=True)
-class RetryOutcome:
-    job: Job
-    settled: Settled
+    """§8.6 (:func:`belay.plans.cancel_job`). Atomic: run inside a transaction."""
+    return run(conn, plans.cancel_job(job_id, now))
 
 
 def retry_job(conn: Conn, job_id: int, now: datetime) -> RetryOutcome | str | None:
-    """§8.6 operator retry. Returns the outcome, the blocking state (not
-    failed/cancelled), or None when no such job. Atomic: run in a transaction.
-
-    """
-    job = lock_job(conn, job_id)
-    if job is None:
-        return None
-    if job.state not in ("failed", "cancelled"):
-        return job.state
-    # §8.6: a dep-bearing member goes back to held and lets settlement decide;
-    # going straight to ready would let it run beside a failed dependency.
-    target = "held" if job.wf_deps else "ready"
-    rows = _rows(conn, "retry_job", {"id": job_id, "target": target, "now": now})
-    retried = Job.from_row(rows[0])
-    settled = _settle_and_notify(conn, retried.workflow_id, [], now)
-    if settled.ready or settled.cancelled:
-        retried = get_job(conn, job_id) or retried
-    if retried.state == "ready" and (retried.id, retried.queue) not in settled.ready:
-        settled = Settled([*settled.ready, (retried.id, retried.queue)], settled.cancelled)
-    return RetryOutcome(retried, settled)
+    """§8.6 operator retry (:func:`belay.plans.retry_job`). Atomic: run in a transaction."""
+    return run(conn, plans.retry_job(job_id, now))
 
 
 def park_await(
@@ -962,14 +776,8 @@ def append_event(conn: Conn, job_id: int, payload_json: str, now: datetime) -> i
 
 
 def lock_workflow(conn: Conn, workflow_id: str) -> list[Job]:
-    """Take the workflow lock (held until commit) and return the members already there.
-
-    Enqueueing a workflow checks and inserts under this lock, so concurrent
-    enqueues of one workflow id insert its members once. §7 lock order: it is
-    the first lock the transaction takes. Atomic: run inside a transaction.
-    """
-    lock(conn, names.workflow_lock(workflow_id))
-    return workflow_jobs(conn, workflow_id)
+    """Take the workflow lock and return the members already there (:mod:`belay.plans`)."""
+    return run(conn, plans.lock_workflow(workflow_id))
 
 
 # -- Cron (§8.5) -------------------------------------------------------------------

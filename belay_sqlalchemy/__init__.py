@@ -19,9 +19,11 @@ startup. See docs/sqlalchemy.md.
 
 from __future__ import annotations
 
+from belay.aio.driver import register_connection_adapter as register_async_adapter
 from belay.client import register_connection_adapter
 from belay_sqlalchemy.connection import (
     SUPPORTED_DIALECT,
+    async_borrow,
     borrow,
     check_schema,
     psycopg_connection,
@@ -29,6 +31,7 @@ from belay_sqlalchemy.connection import (
 from belay_sqlalchemy.hooks import install, pending_wakeups, uninstall
 
 register_connection_adapter(borrow)
+register_async_adapter(async_borrow)
 
 __all__ = [
     "SUPPORTED_DIALECT",

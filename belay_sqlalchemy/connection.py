@@ -32,10 +32,9 @@ def borrow(obj: Any) -> Borrowed | None:
     Connection, None for objects it does not know."""
     if _is_asyncio(obj):
         raise ValidationError(
-            f"belay_sqlalchemy works with synchronous SQLAlchemy only; got "
-            f"{type(obj).__name__}. belay's client is synchronous, so enqueue from a "
-            f"sync Session or Connection on a {SUPPORTED_DIALECT} engine (from async "
-            "code, run that in a thread: await asyncio.to_thread(...))"
+            f"belay.Belay is the synchronous client and cannot run on a "
+            f"{type(obj).__name__}: await belay.aio (belay.aio.AsyncBelay) with it, "
+            f"which joins an AsyncSession's transaction on a {SUPPORTED_DIALECT} engine"
         )
     if isinstance(obj, scoped_session):
         obj = obj()
@@ -81,8 +80,9 @@ def check_dialect(dialect: Dialect) -> None:
     """Refuse an engine belay cannot run on, saying which one it needs."""
     if dialect.is_async:
         raise ValidationError(
-            f"belay_sqlalchemy works with synchronous SQLAlchemy only; this engine uses "
-            f"the asyncio dialect {dialect.name}+{dialect.driver}. Enqueue from a sync "
+            f"belay.Belay works with synchronous SQLAlchemy only; this engine uses "
+            f"the asyncio dialect {dialect.name}+{dialect.driver}. Pass its AsyncSession "
+            f"to belay.aio (on a {SUPPORTED_DIALECT} engine), or enqueue from a sync "
             f"Session on a {SUPPORTED_DIALECT} engine ({_URL_FORM})"
         )
     if (dialect.name, dialect.driver) != ("postgresql", "psycopg"):
@@ -130,3 +130,44 @@ def _is_asyncio(obj: Any) -> bool:
     # and an object of it exists only where it imported.
     return any(cls.__module__.startswith("sqlalchemy.ext.asyncio")
                for cls in type(obj).__mro__)
+
+
+async def async_borrow(obj: Any) -> psycopg.AsyncConnection[Any] | None:
+    """The adapter belay_sqlalchemy registers with :mod:`belay.aio`: the psycopg
+    AsyncConnection under an ``AsyncSession`` or ``AsyncConnection``, inside
+    the transaction it has open (begun as SQLAlchemy's autobegin would), None
+    for objects it does not know."""
+    if not _is_asyncio(obj):
+        if isinstance(obj, Session | Connection):
+            raise ValidationError(
+                f"belay.aio runs on asyncio SQLAlchemy (AsyncSession, AsyncConnection); "
+                f"this is a synchronous {type(obj).__name__}: use belay.Belay with it")
+        return None
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+
+    if isinstance(obj, async_scoped_session):
+        obj = obj()
+    if isinstance(obj, AsyncSession):
+        # Begins the session's transaction (or its SAVEPOINT) when none is open.
+        connection = await obj.connection()
+    elif isinstance(obj, AsyncConnection):
+        connection = obj
+        if not connection.in_transaction():
+            await connection.begin()
+    else:
+        raise ValidationError(
+            f"conn= takes an AsyncSession or an AsyncConnection, not a {type(obj).__name__}: "
+            "belay joins a transaction, so pass the session, or the connection of "
+            "`async with engine.begin() as connection:`")
+    dialect = connection.dialect
+    if (dialect.name, dialect.driver) != ("postgresql", "psycopg"):
+        raise ValidationError(
+            f"belay.aio needs the {SUPPORTED_DIALECT} dialect (psycopg 3) on "
+            f"create_async_engine, this engine uses {dialect.name}+{dialect.driver}: "
+            f"create it with a URL like {_URL_FORM}")
+    raw = (await connection.get_raw_connection()).driver_connection
+    if not isinstance(raw, psycopg.AsyncConnection):
+        raise ValidationError(
+            f"expected a psycopg AsyncConnection under the {SUPPORTED_DIALECT} dialect, "
+            f"found {type(raw).__name__}")
+    return raw

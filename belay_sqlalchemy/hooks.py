@@ -218,5 +218,6 @@ def _check_target(target: Any) -> None:
         return
     raise ValidationError(
         "belay_sqlalchemy.install() takes a Session class, a sessionmaker, a "
-        f"scoped_session or a Session, got {target!r} (asyncio sessions are not supported)"
+        f"scoped_session or a Session, got {target!r} (asyncio sessions are not supported: "
+        "belay.aio sends an AsyncSession's wake-ups inside its transaction, no hooks needed)"
     )

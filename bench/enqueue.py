@@ -5,14 +5,19 @@ belay adds validation and a wake-up ``pg_notify`` (in the same statement
 for a single job; a large batch goes by COPY, its ids drawn first); the
 ratio is what those cost. Each belay client is built as a user would
 (``belay.Belay(url)``, notify on).
+
+The asyncio rows put :mod:`belay.aio` beside raw async psycopg (an
+``AsyncConnection`` per task, the same single-row INSERT) and beside the
+blocking client, in the same run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
@@ -20,6 +25,7 @@ import orjson
 import psycopg
 
 import belay
+from belay.aio import AsyncBelay
 from bench.core import Bench, Figure
 
 SECTION = "enqueue"
@@ -164,6 +170,62 @@ def _raw_copy(url: str, threads: int, stack: contextlib.ExitStack) -> Body:
     return body
 
 
+# -- asyncio: belay.aio against raw async psycopg ----------------------------------------
+
+#: async body(rows it inserts): one task's inserts, on what ``make`` set up.
+AsyncBody = Callable[[range], Awaitable[None]]
+AsyncMaker = Callable[[str, int, contextlib.AsyncExitStack], Awaitable[AsyncBody]]
+
+
+def _async_rate(bench: Bench, tag: str, tasks: int, rows: int, make: AsyncMaker) -> float:
+    """rows/s of ``tasks`` concurrent tasks on one event loop, on a fresh
+    database, after an untimed warm-up round."""
+    share = rows // tasks
+
+    async def main(url: str) -> float:
+        async with contextlib.AsyncExitStack() as stack:
+            body = await make(url, tasks, stack)
+            await asyncio.gather(*(body(range(i * WARM, (i + 1) * WARM)) for i in range(tasks)))
+            started = time.monotonic()
+            await asyncio.gather(*(body(range(i * share, (i + 1) * share))
+                                   for i in range(tasks)))
+            return time.monotonic() - started
+
+    with bench.database(f"enq_{tag}") as url:
+        elapsed = asyncio.run(main(url))
+    rate = share * tasks / elapsed
+    bench.log(f"enqueue {tag}: {rate:,.0f} rows/s")
+    return rate
+
+
+async def _aio_single(url: str, tasks: int, stack: contextlib.AsyncExitStack) -> AsyncBody:
+    client = await stack.enter_async_context(
+        AsyncBelay(url, min_pool_size=tasks, max_pool_size=tasks))
+
+    async def body(rows: range) -> None:
+        for n in rows:
+            await client.enqueue("noop", {"i": n})
+
+    return body
+
+
+async def _raw_async_single(url: str, tasks: int, stack: contextlib.AsyncExitStack
+                            ) -> AsyncBody:
+    idle = [await stack.enter_async_context(
+        await psycopg.AsyncConnection.connect(url, autocommit=True)) for _ in range(tasks)]
+
+    async def body(rows: range) -> None:
+        conn = idle.pop()
+        try:
+            for n in rows:
+                now = _now()
+                await (await conn.execute(INSERT_ONE, (_input(n), now, now))).fetchone()
+        finally:
+            idle.append(conn)
+
+    return body
+
+
 def run(bench: Bench) -> list[Figure]:
     single = bench.size(500, 5_000)
     batched = bench.size(10_000, 200_000)
@@ -175,6 +237,11 @@ def run(bench: Bench) -> list[Figure]:
         "belay_many": _rate(bench, "belay_many", 1, batched, _belay_many),
         "raw_many": _rate(bench, "raw_many", 1, batched, _raw_many),
         "raw_copy": _rate(bench, "raw_copy", 1, batched, _raw_copy),
+        "aio_seq": _async_rate(bench, "aio_seq", 1, single, _aio_single),
+        "raw_async_seq": _async_rate(bench, "raw_async_seq", 1, single, _raw_async_single),
+        "aio_tasks": _async_rate(bench, "aio_tasks", THREADS, single, _aio_single),
+        "raw_async_tasks": _async_rate(bench, "raw_async_tasks", THREADS, single,
+                                       _raw_async_single),
     }
 
     def figure(name: str, key: str, baseline: str, base_key: str, rows: int,
@@ -195,4 +262,11 @@ def run(bench: Bench) -> list[Figure]:
                f"raw multi-row INSERT (unnest), {batches}", "raw_many", batched),
         figure(f"belay enqueue_many against COPY, {batches}", "belay_many",
                f"raw COPY, {batches}", "raw_copy", batched, 0.6),
+        figure("belay.aio enqueue, single rows, sequential", "aio_seq",
+               "raw async psycopg single-row INSERT, sequential", "raw_async_seq", single, 0.7),
+        figure(f"belay.aio enqueue, single rows, {THREADS} tasks", "aio_tasks",
+               f"raw async psycopg single-row INSERT, {THREADS} tasks on {THREADS} connections",
+               "raw_async_tasks", single, 0.7),
+        figure("belay.aio enqueue against the blocking client, sequential", "aio_seq",
+               "belay enqueue, single rows, sequential", "belay_seq", single),
     ]

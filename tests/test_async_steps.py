@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -117,8 +118,12 @@ def test_concurrent_asteps_overlap_and_the_loop_runs_while_a_write_waits(
             parts = [asyncio.ensure_future(ctx.astep(f"part-{n}", lambda n=n: part(n)))
                      for n in range(20)]
             await asyncio.wait_for(everyone.wait(), timeout=10)
-            await asyncio.to_thread(wait_until, a_write_waits_on_the_lock,
-                                    "a journal write waits on the row lock")
+            # On a thread of its own: the journal writes blocked on the lock may
+            # hold every thread of the loop's default executor (asyncio.to_thread's).
+            with ThreadPoolExecutor(1, thread_name_prefix="lock-watch") as watch:
+                await asyncio.get_running_loop().run_in_executor(
+                    watch, wait_until, a_write_waits_on_the_lock,
+                    "a journal write waits on the row lock")
             seen["loop_ran_while_blocked"] = True  # this task ran: the loop is free
             release.set()
             values = await asyncio.gather(*parts)

@@ -815,7 +815,8 @@ def used_query_names() -> tuple[set[str], list[str]]:
         for package in _PACKAGES
         for path in sorted(package.rglob("*.py"))
     ]
-    helpers: dict[str, int] = {}
+    # A plan's statement (belay.plans.Call) names its query first.
+    helpers: dict[str, int] = {"Call": 0}
     for _, tree in trees:
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -827,6 +828,11 @@ def used_query_names() -> tuple[set[str], list[str]]:
                     and isinstance(node.slice, ast.Name) and node.slice.id in params
                 ):
                     helpers[fn.name] = params.index(node.slice.id)
+                elif (
+                    isinstance(node, ast.Call) and _callee(node) == "Call" and node.args
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in params
+                ):
+                    helpers[fn.name] = params.index(node.args[0].id)
     used: set[str] = set()
     sites: list[str] = []
     for path, tree in trees:

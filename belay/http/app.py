@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from belay import ops
+from belay import ops, otel
 from belay.client import Belay
 from belay.codec import dumps
 from belay.errors import INVALID, JobNotFound, SchemaError, ValidationError, database_failure
@@ -204,7 +204,8 @@ class _Api:
         spec = parse_enqueue(body, now)
 
         def insert() -> Job:
-            return self.client.enqueue(spec.kind, spec.input, **spec.kwargs())
+            with otel.continued(request.headers):  # a caller's traceparent (docs/observability.md)
+                return self.client.enqueue(spec.kind, spec.input, **spec.kwargs())
 
         job = await run_in_threadpool(insert)
         if job.duplicate:

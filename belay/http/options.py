@@ -150,6 +150,11 @@ def _options(task: str, args: dict[str, Any], options: dict[str, Any], now: date
     if authority is not None and not isinstance(authority, dict):
         raise invalid(f"authority must be a JSON object like {{\"tools\": [\"search\"], "
                       f"\"usd\": 5}}, got {_json_type(authority)}")
+    for name, value in (("budget", budget), ("authority", authority)):
+        nulls = sorted(key for key, item in (value or {}).items() if item is None)
+        if nulls:  # as the OpenAPI document says: a key is a value or absent
+            raise invalid(f"{name} key(s) {_names(nulls)} are null; leave a key out for "
+                          "no bound")
     return Enqueue(kind=task, input=args, queue=queue, priority=priority, delay=delay,
                    run_at=run_at, max_attempts=max_attempts, unique=idempotency(options),
                    budget=budget, meta=meta, authority=authority)

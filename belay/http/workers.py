@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from belay import names, store
+from belay import names, otel, store
 from belay.client import Belay
 from belay.crypto import decrypt_input, is_encrypted
 from belay.errors import UNAVAILABLE, ConfigurationError, ValidationError, database_failure
@@ -81,7 +81,8 @@ MAX_CAPACITY = 256
 POLL_FIRST, POLL_CAP = 0.02, 0.5
 
 _REGISTER_KEYS = {"runtime_id", "tasks", "capacity", "queue"}
-_COMPLETE_KEYS = {"execution_id", "outcome", "result", "error", "reservation_id"}
+_COMPLETE_KEYS = {"execution_id", "outcome", "result", "error", "reservation_id",
+                  "traceparent", "tracestate"}
 
 
 # -- Errors the routes map onto HTTP --------------------------------------------------
@@ -222,7 +223,17 @@ def parse_completion(body: Any) -> tuple[str, str, Any, Any]:
     _json_value(body.get("result"), "result", nul=True)
     if outcome == "failure":
         error_entry(body.get("error"), 1)  # a 400 before the execution is looked up
+    completion_trace(body)
     return execution_id, outcome, body.get("result"), body.get("error")
+
+
+def completion_trace(body: Mapping[str, Any]) -> dict[str, str] | None:
+    """The W3C trace context a completion carries back (``traceparent``,
+    ``tracestate``: the worker's own span of the execution), or None."""
+    try:
+        return otel.returned_context(body.get("traceparent"), body.get("tracestate"))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def _json_value(value: Any, what: str, *, nul: bool = False) -> None:
@@ -245,12 +256,13 @@ def cancel_event(execution_id: str, job: Job, reason: str) -> dict[str, Any]:
 
 
 def execute_event(execution_id: str, job: Job, timeout_ms: int | None,
-                  lease_ttl: float) -> dict[str, Any]:
-    """The seed's ``execute`` event for a claimed job."""
+                  lease_ttl: float, span: Any = None) -> dict[str, Any]:
+    """The seed's ``execute`` event for a claimed job; with the execution's
+    ``span``, its W3C ``traceparent`` and ``tracestate`` (:mod:`belay.otel`)."""
     return {"type": "execute", "execution_id": execution_id, "job_id": job.id,
             "task": job.kind, "args": job.input, "attempt": job.attempt,
             "max_attempts": job.max_attempts, "timeout_ms": timeout_ms,
-            "queue": job.queue, "lease_ttl_ms": int(lease_ttl * 1000)}
+            "queue": job.queue, "lease_ttl_ms": int(lease_ttl * 1000), **otel.wire(span)}
 
 
 # -- Sessions ---------------------------------------------------------------------------
@@ -520,7 +532,7 @@ class WorkerSessions:
             session.started.add(execution_id)
 
     def complete(self, token: str, execution_id: str, outcome: str, result: Any = None,
-                 error: Any = None) -> dict[str, Any]:
+                 error: Any = None, trace: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Record an execution's end through the fenced ack; returns ``{"state": ...}``.
 
         Raises :class:`StaleExecution` (nothing written) when the execution is not
@@ -539,6 +551,8 @@ class WorkerSessions:
         except BaseException:
             execution.reopen(ACKED)  # nothing written: the worker may report it again
             raise
+        otel.end(execution.take_span(), decided.kind if acked else "stale", decided.error,
+                 returned=trace)
         with self._lock:
             session.executions.pop(execution_id, None)
             session.started.discard(execution_id)
@@ -623,12 +637,16 @@ class WorkerSessions:
                               node=session.node_id, clock=self._clock)
         execution_id = f"{job.id}.{job.attempt}.{secrets.token_urlsafe(9)}"
         execution.owner = (session, execution_id)
+        span = execution.span = otel.begin(execution)
         with self._lock:
-            if session.closed:  # dropped while claiming: the lease lapses, reclaim applies
-                return None
-            session.executions[execution_id] = execution
+            closed = session.closed
+            if not closed:
+                session.executions[execution_id] = execution
+        if closed:  # dropped while claiming: the lease lapses, reclaim applies
+            otel.end(execution.take_span(), "lost")
+            return None
         self.leases.hold(execution)
-        return execute_event(execution_id, job, timeout_ms, self.lease_ttl)
+        return execute_event(execution_id, job, timeout_ms, self.lease_ttl, span)
 
     def _claim_one(self, conn: store.Conn, session: _Session, spec: QueueSpec) -> Job | None:
         """Claim one job of this session's kinds with the Python worker's claim
@@ -677,6 +695,7 @@ class WorkerSessions:
         self._tell_cancel(execution, "cancel_requested")
 
     def _tell_cancel(self, execution: Execution, reason: str) -> None:
+        otel.end(execution.take_span(), "timeout" if reason == "timeout" else "cancelled")
         if execution.owner is None:
             return
         session, execution_id = execution.owner
@@ -831,10 +850,10 @@ def worker_routes(sessions: WorkerSessions, *, token: str | None = None) -> list
 
     async def complete(request: Request) -> Response:
         token = _bearer(request, sessions)
-        execution_id, outcome, result, error = parse_completion(
-            await _body(request, required=True))
+        body = await _body(request, required=True)
+        execution_id, outcome, result, error = parse_completion(body)
         done = await run_in_threadpool(sessions.complete, token, execution_id, outcome,
-                                       result, error)
+                                       result, error, completion_trace(body))
         return JSONResponse({"execution_id": execution_id, **done})
 
     async def close(request: Request) -> Response:
@@ -880,6 +899,11 @@ _NAME = {"type": "string", "minLength": 1, "maxLength": names.MAX_NAME_BYTES,
          "pattern": "\\S",
          "description": f"at most {names.MAX_NAME_BYTES} bytes of UTF-8, not blank, no NUL"}
 _OK = {"type": "object"}
+#: W3C trace context fields (docs/observability.md): the execute event's are its
+#: execution's span, a completion's the worker's own span of it (linked).
+_TRACEPARENT = {"type": "string", "pattern": f"^{otel.TRACEPARENT.pattern}$",
+                "description": "W3C traceparent (docs/observability.md)"}
+_TRACESTATE = {"type": "string", "description": "W3C tracestate"}
 
 #: OpenAPI 3.1 path items of the worker protocol (security scheme ``workerToken``:
 #: ``{"type": "http", "scheme": "bearer"}``), for the server's ``/openapi.json``.
@@ -938,7 +962,8 @@ WORKER_OPENAPI_PATHS: dict[str, Any] = {
                                 "max_attempts": {"type": "integer"},
                                 "timeout_ms": {"type": ["integer", "null"]},
                                 "queue": {"type": "string"},
-                                "lease_ttl_ms": {"type": "integer"}}},
+                                "lease_ttl_ms": {"type": "integer"},
+                                "traceparent": _TRACEPARENT, "tracestate": _TRACESTATE}},
                             {"type": "object", "required": [
                                 "type", "execution_id", "job_id", "attempt", "reason"],
                              "properties": {
@@ -976,6 +1001,7 @@ WORKER_OPENAPI_PATHS: dict[str, Any] = {
                     "execution_id": _EXECUTION_ID,
                     "reservation_id": {"type": "string"},
                     "outcome": {"enum": ["success", "failure"]},
+                    "traceparent": _TRACEPARENT, "tracestate": _TRACESTATE,
                     "result": {"description": f"any JSON nested at most {MAX_JSON_DEPTH} "
                                               "levels; no lone surrogate"},
                     "error": {"type": "object", "required": ["message"],

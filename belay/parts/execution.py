@@ -99,6 +99,16 @@ class Execution:
         #: The last step this run journaled, and whether the stall watch tripped.
         self.last_step: str | None = None
         self.stalled = False
+        #: Its OpenTelemetry CONSUMER span while one is open (:mod:`belay.otel`).
+        self.span: Any = None
+
+    def take_span(self) -> Any:
+        """Its open span, once: whoever ends the execution's span takes it."""
+        if self.span is None:
+            return None
+        with self._lock:
+            span, self.span = self.span, None
+            return span
 
     def watch_stall(self, watchdog: Any) -> None:
         """Guard this run with ``watchdog``; its stall counts from now."""

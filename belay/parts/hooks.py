@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from belay import otel
 from belay.budget import BudgetNotice
 from belay.job import Job
 from belay.outcome import safe_repr
@@ -63,7 +64,11 @@ class JobEnd:
 
 
 class Hooks:
-    """The start and end hooks, and which started executions still owe an end."""
+    """The start and end hooks, and which started executions still owe an end.
+
+    Each execution's OpenTelemetry span (:mod:`belay.otel`) opens with its
+    start and ends with its end, reported here exactly once.
+    """
 
     def __init__(self) -> None:
         self.start: list[Callable[[Job], None]] = []
@@ -71,7 +76,7 @@ class Hooks:
         self.budget: list[Callable[[BudgetNotice], None]] = []
         self._lock = threading.Lock()
         #: Executions whose start was reported and whose end not yet.
-        self._open: set[tuple[int, int]] = set()
+        self._open: dict[tuple[int, int], Execution] = {}
 
     def budget_notice(self, notice: BudgetNotice) -> None:
         """Tell the ``on_budget`` hooks, on the job's thread; a hook that
@@ -84,8 +89,9 @@ class Hooks:
 
     def started(self, execution: Execution) -> None:
         """Report an execution's start, on its thread, before the function runs."""
+        execution.span = otel.begin(execution)
         with self._lock:
-            self._open.add(execution.key)
+            self._open[execution.key] = execution
         for hook in self.start:
             try:
                 hook(execution.job)
@@ -95,16 +101,18 @@ class Hooks:
     def finished(self, job: Job, outcome: str, duration: float, error: Any,
                  exception: BaseException | None = None) -> None:
         with self._lock:
-            self._open.discard((job.id, job.attempt))
+            execution = self._open.pop((job.id, job.attempt), None)
+        if execution is not None:
+            otel.end(execution.take_span(), outcome, error, exception)
         self._report(job, outcome, duration, error, exception)
 
     def crashed(self, executions: Iterable[Execution], exc: BaseException) -> None:
         """End, as ``crashed``, the started executions whose end was not reported."""
         for execution in executions:
             with self._lock:  # check and claim the report in one step
-                unreported = execution.key in self._open
-                self._open.discard(execution.key)
+                unreported = self._open.pop(execution.key, None) is not None
             if unreported:
+                otel.end(execution.take_span(), "crashed", None, exc)
                 self._report(execution.job, "crashed", execution.elapsed(), None, exc)
 
     def _report(self, job: Job, outcome: str, duration: float, error: Any,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from belay import store
+from belay import otel, store
 from belay.outcome import Outcome, retry_or_fail
 from belay.parts.execution import LOST, TIMEOUT, Execution
 from belay.parts.service import Service
@@ -107,6 +107,8 @@ class Leases:
         with self._lock:
             if self._held.get(execution.key) is execution:
                 del self._held[execution.key]
+        if execution.span is not None:  # no end was recorded: it ends as what ended it
+            otel.end(execution.take_span(), execution.ended or LOST)
 
     def running(self) -> list[Execution]:
         """Every execution held: running, or waiting for its ack or its chunk."""

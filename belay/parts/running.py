@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from belay import otel
 from belay.client import Belay
 from belay.context import _CURRENT, Context, Park, pause_for_steering
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
@@ -138,21 +139,27 @@ class JobRunner:
         assert definition is not None
         self.hooks.started(execution)
         ctx = self.context(execution)
-        returned, raised = self._call([ctx], lambda: definition(ctx), current=ctx)
+        returned, raised = self._call([ctx], lambda: definition(ctx), current=ctx,
+                                      span=execution.span)
         return self.conclude(execution, returned, raised)
 
     def _call(self, contexts: list[Context], call: Callable[[], Any], *,
-              current: Context | None = None) -> tuple[Any, BaseException | None]:
+              current: Context | None = None, span: Any = None
+              ) -> tuple[Any, BaseException | None]:
         """``call()`` inside the middleware, ``current`` the context
-        ``belay.current_context()`` returns; (what it returned, what it raised)."""
+        ``belay.current_context()`` returns and ``span`` the current
+        OpenTelemetry span (a chunk's jobs share a call: none is current);
+        (what it returned, what it raised)."""
         for layer in reversed(self.middleware):
             call = _wrapped(layer, contexts, call)
         token = _CURRENT.set(current) if current is not None else None
+        traced = otel.enter(span)
         try:
             return call(), None
         except BaseException as exc:  # the job's failure, whatever it raised
             return None, exc
         finally:
+            otel.leave(traced)
             if token is not None:
                 _CURRENT.reset(token)
 
