@@ -20,9 +20,11 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
+from typing import Any
 
 import orjson
 import psycopg
+from psycopg_pool import AsyncConnectionPool
 
 import belay
 from belay.aio import AsyncBelay
@@ -226,6 +228,24 @@ async def _raw_async_single(url: str, tasks: int, stack: contextlib.AsyncExitSta
     return body
 
 
+async def _raw_async_pooled(url: str, tasks: int, stack: contextlib.AsyncExitStack
+                            ) -> AsyncBody:
+    """The same INSERT, each one on a connection borrowed from a psycopg_pool
+    AsyncConnectionPool, as an app's request handlers would."""
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+        url, min_size=tasks, max_size=tasks, open=False, kwargs={"autocommit": True})
+    await stack.enter_async_context(pool)
+    await pool.wait()
+
+    async def body(rows: range) -> None:
+        for n in rows:
+            now = _now()
+            async with pool.connection() as conn:
+                await (await conn.execute(INSERT_ONE, (_input(n), now, now))).fetchone()
+
+    return body
+
+
 def run(bench: Bench) -> list[Figure]:
     single = bench.size(500, 5_000)
     batched = bench.size(10_000, 200_000)
@@ -242,6 +262,8 @@ def run(bench: Bench) -> list[Figure]:
         "aio_tasks": _async_rate(bench, "aio_tasks", THREADS, single, _aio_single),
         "raw_async_tasks": _async_rate(bench, "raw_async_tasks", THREADS, single,
                                        _raw_async_single),
+        "raw_async_pooled": _async_rate(bench, "raw_async_pooled", THREADS, single,
+                                        _raw_async_pooled),
     }
 
     def figure(name: str, key: str, baseline: str, base_key: str, rows: int,
@@ -267,6 +289,9 @@ def run(bench: Bench) -> list[Figure]:
         figure(f"belay.aio enqueue, single rows, {THREADS} tasks", "aio_tasks",
                f"raw async psycopg single-row INSERT, {THREADS} tasks on {THREADS} connections",
                "raw_async_tasks", single, 0.7),
+        figure(f"belay.aio enqueue, single rows, {THREADS} tasks, against a pooled INSERT",
+               "aio_tasks", f"raw async psycopg single-row INSERT, {THREADS} tasks on an "
+               f"AsyncConnectionPool of {THREADS}", "raw_async_pooled", single),
         figure("belay.aio enqueue against the blocking client, sequential", "aio_seq",
                "belay enqueue, single rows, sequential", "belay_seq", single),
     ]
