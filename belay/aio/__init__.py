@@ -59,6 +59,7 @@ from belay.errors import ConfigurationError, JobNotFound, NotRetryable
 from belay.job import Event, Job
 from belay.registry import Registry
 from belay.schema import SchemaStatus
+from belay.store import poke_payload, result_payload
 from belay.workflow import Workflow, member_errors
 
 __all__ = [
@@ -201,8 +202,6 @@ class AsyncBelay(ClientSettings):
         ``conn``'s transaction commits (§9.2)."""
         if not self.notify:
             return
-        from belay.store import poke_payload, result_payload
-
         payloads = [poke_payload(q) for q in queues] + [result_payload(i) for i in results]
         if payloads:
             await run(conn, plans.notify(await self._notify_channel(conn), payloads))
