@@ -169,7 +169,11 @@ def test_a_run_that_journals_nothing_for_the_stall_is_stopped(real_client, sql_c
     release, entered = threading.Event(), threading.Event()
     j = real_client.enqueue(hung_agent(reg, release, entered),
                             watchdog={"stall": 0.5, "on_trip": on_trip})
-    worker = belay.Worker(["default"], client=real_client, registry=reg, poll_interval=0.05)
+    # The stall is checked at each heartbeat (every lease_ttl / 3): a short
+    # TTL checks it every 0.5 s, not at the default 10 s that the wait below
+    # would barely outlast.
+    worker = belay.Worker(["default"], client=real_client, registry=reg, poll_interval=0.05,
+                          lease_ttl=1.5)
     try:
         worker.start()
         assert entered.wait(10)
