@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 
 from belay import errors
+from belay.ambient import ThreadPoolExecutor, propagate
 from belay.authority import Authority as Authority
 from belay.budget import BudgetNotice as BudgetNotice
 from belay.budget import Headroom as Headroom
@@ -113,6 +114,7 @@ __all__ = [
     "SchemaOutdated",
     "Snooze",
     "Step",
+    "ThreadPoolExecutor",
     "Unique",
     "ValidationError",
     "Worker",
@@ -139,6 +141,7 @@ __all__ = [
     "migrate",
     "pause_cron",
     "pause_queue",
+    "propagate",
     "put_cron",
     "put_queue",
     "resume_cron",

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from belay import names
+from belay.ambient import current_context, refuse_contextless
 from belay.errors import AuthorityExceeded, ValidationError
 
 #: Where a job's authority lives in its ``meta``.
-AUTHORITY_KEY: Final = "$authority"
+AUTHORITY_KEY: Final = names.AUTHORITY_KEY
 #: The keys an authority takes: three sets of names and two caps.
 SETS: Final = ("tools", "queues", "kinds")
 CAPS: Final = ("usd", "tokens")
@@ -200,20 +201,21 @@ def _cap(key: str, amount: int) -> str:
 def current() -> Authority | None:
     """The authority of the job whose code is running here; None outside a
     job, or for a job that has none."""
-    from belay.context import current_context
-
     ctx = current_context()
     return None if ctx is None else authority_of(ctx.meta)
 
 
 def check_tool(tool: str) -> None:
     """Refuse (AuthorityExceeded) a tool call the running job's authority does
-    not allow; outside a job, or without an authority, every tool is allowed.
+    not allow; outside a job, or without an authority, every tool is allowed —
+    except in a thread that lost its job's context while a job with an
+    authority runs in this process (:func:`belay.ambient.refuse_contextless`).
     The agent integrations call it before each tool call; call it in a tool
     of your own the same way."""
-    from belay.context import current_context
-
     ctx = current_context()
-    granted = None if ctx is None else authority_of(ctx.meta)
-    if ctx is not None and granted is not None:
+    if ctx is None:
+        refuse_contextless(f"tool call {tool!r}")
+        return
+    granted = authority_of(ctx.meta)
+    if granted is not None:
         granted.check_tool(tool, f"job {ctx.id}")

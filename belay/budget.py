@@ -13,9 +13,9 @@ job sees an ordinary budget (and fails it at the crossing, its default).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from belay.errors import ValidationError
 from belay.names import TOP_UP
@@ -170,6 +170,91 @@ def exceeded(spend: Mapping[str, Any], need: tuple[int, int] = (0, 0)) -> bool:
     usd_cap, tokens_cap = spend["budget_usd_micros"], spend["budget_tokens"]
     return ((usd_cap is not None and spend["spent_usd_micros"] + need[0] > usd_cap)
             or (tokens_cap is not None and spend["spent_tokens"] + need[1] > tokens_cap))
+
+
+def capped(spend: Mapping[str, Any]) -> bool:
+    """The job has a cap (USD or tokens) to keep within."""
+    return spend["budget_usd_micros"] is not None or spend["budget_tokens"] is not None
+
+
+# -- Holds: headroom reserved before it is spent ---------------------------------------
+#
+# A step with a ``max_cost`` reserves that much headroom before it starts,
+# and a fan-out with ``budget="share"`` the budgets it gives its children,
+# so that runs racing each other never promise the same money twice: each
+# hold is a signal in the job's scope (no column to add to the contract's
+# table), taken under the job row's lock and dropped by the write that
+# settles it — the step's journal entry, the fan-in's charge-back.
+
+#: ``$budget:hold:<run>:<step>``: a step of one run (execution) in flight.
+HOLDS: Final = f"{BUDGET_MARKS}hold:"
+#: ``$budget:share:<fan-out>``: children's budgets, until their spend is charged back.
+SHARES: Final = f"{BUDGET_MARKS}share:"
+
+
+def hold_name(run: str, step: str) -> str:
+    return f"{HOLDS}{run}:{step}"
+
+
+def share_name(fan_out: str) -> str:
+    return f"{SHARES}{fan_out}"
+
+
+def hold_payload(amount: tuple[int, int]) -> dict[str, int]:
+    return {"usd_micros": amount[0], "tokens": amount[1]}
+
+
+class Held(NamedTuple):
+    """What a job's live holds keep, as (micro-dollars, tokens): the steps in
+    flight of the run that holds the job, and the fan-outs' shares; and the
+    names of the dead holds (steps of an earlier run, which ended without
+    settling them: a crash)."""
+
+    steps: tuple[int, int]
+    shares: tuple[int, int]
+    dead: list[str]
+
+    @property
+    def total(self) -> tuple[int, int]:
+        return (self.steps[0] + self.shares[0], self.steps[1] + self.shares[1])
+
+
+def holding(holds: Iterable[Mapping[str, Any]], run: str | None, *,
+            besides: str | None = None) -> Held:
+    """Sort a job's holds (``budget_holds`` rows): ``run`` is the run that
+    holds the job now (None: none does — the job is not running — so every
+    step hold is dead); ``besides``, a hold to leave out (the one about to be
+    replaced)."""
+    steps, shares = [0, 0], [0, 0]
+    dead: list[str] = []
+    mine = None if run is None else f"{HOLDS}{run}:"
+    for hold in holds:
+        name = hold["name"]
+        if name == besides:
+            continue
+        if name.startswith(HOLDS):
+            if mine is None or not name.startswith(mine):
+                dead.append(name)
+                continue
+            into = steps
+        else:
+            into = shares
+        payload = hold["payload"] if isinstance(hold["payload"], Mapping) else {}
+        into[0] += _amount(payload.get("usd_micros"))
+        into[1] += _amount(payload.get("tokens"))
+    return Held((steps[0], steps[1]), (shares[0], shares[1]), dead)
+
+
+def _amount(value: Any) -> int:
+    """A hold's amount; one belay can't read holds nothing (it only ever writes ints)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def with_held(spend: Mapping[str, Any], held: tuple[int, int]) -> dict[str, Any]:
+    """The budget columns with ``held`` counted as spent: the headroom left to
+    promise (what a new hold must fit in)."""
+    return {**spend, "spent_usd_micros": spend["spent_usd_micros"] + held[0],
+            "spent_tokens": spend["spent_tokens"] + held[1]}
 
 
 def pause_name(need: tuple[int, int] = (0, 0)) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from belay import names, store
+from belay import holds, names, store
 from belay.authority import AUTHORITY_KEY, Authority
-from belay.budget import policy_of
+from belay.budget import capped, policy_of
 from belay.context import Park
 from belay.enqueue import JobSpec, usd_to_micros
 from belay.errors import AuthorityExceeded, ValidationError
@@ -51,7 +51,7 @@ def spawn_children(ctx: Context, name: str, kind: Any, inputs: Iterable[Mapping[
         # alike: the list is rebuilt from the keys, never trusted from a
         # partial insert.
         if share:
-            budget = budget_share(ctx, len(inputs))
+            budget = budget_share(ctx, name, len(inputs))
         else:
             budget = within_remaining(ctx, options.get("budget"), _asked(options))
         return [job.id for job in ctx.client.enqueue_many(specs(budget))]
@@ -77,17 +77,19 @@ def within_remaining(ctx: Context, budget: Any, asked: Authority | None = None) 
     given none gets what is left (no more than the caps of the authority it
     asks for; under this job's policy), and one given more is refused
     (AuthorityExceeded) before anything is written."""
-    with ctx.client.connection() as conn:
-        job = store.get_job(conn, ctx.id)
-    if job is None or (job.budget_usd_micros is None and job.budget_tokens is None):
+    with ctx.client.transaction() as conn:
+        found = store.run(conn, holds.standing(ctx.id, ctx.attempt, ctx.journal.run))
+    if found is None or not capped(found[0].spend):
         return budget
-    left = {"usd": None if job.budget_usd_micros is None
-            else max(job.budget_usd_micros - job.spent_usd_micros, 0),
-            "tokens": None if job.budget_tokens is None
-            else max(job.budget_tokens - job.spent_tokens, 0)}
+    # What is left is what nothing holds: a step in flight's max_cost, a share.
+    promised = found[0].promised
+    left = {"usd": None if promised["budget_usd_micros"] is None
+            else max(promised["budget_usd_micros"] - promised["spent_usd_micros"], 0),
+            "tokens": None if promised["budget_tokens"] is None
+            else max(promised["budget_tokens"] - promised["spent_tokens"], 0)}
     out = dict(budget) if isinstance(budget, Mapping) else {}
     if budget is None:
-        policy = policy_of(job.meta)
+        policy = policy_of(ctx.meta)
         out["on_exceed"], out["warn_at"] = policy.on_exceed, list(policy.warn_at)
     for unit, remaining in left.items():
         if remaining is None:
@@ -111,22 +113,24 @@ def within_remaining(ctx: Context, budget: Any, asked: Authority | None = None) 
     return out
 
 
-def budget_share(ctx: Context, children: int) -> dict[str, Any] | None:
-    """An even share, per child, of what is left of this job's budget now."""
-    with ctx.client.connection() as conn:
-        job = store.get_job(conn, ctx.id)
-    if job is None or children == 0:
+def budget_share(ctx: Context, fan_out: str, children: int) -> dict[str, Any] | None:
+    """An even share, per child, of what is left of this job's budget now —
+    beside what other fan-outs and steps in flight hold — held for them until
+    fan-out ``fan_out`` charges their spend back (:mod:`belay.holds`)."""
+    with ctx.client.transaction() as conn:
+        each = store.run(conn, holds.share(ctx.id, ctx.attempt, ctx.journal.run, fan_out,
+                                           children, ctx.client.clock.now()))
+    if each is None:
         return None
     budget: dict[str, Any] = {}
-    if job.budget_usd_micros is not None:
-        left = max(job.budget_usd_micros - job.spent_usd_micros, 0)
-        budget["usd"] = (left // children) / 1_000_000
-    if job.budget_tokens is not None:
-        budget["tokens"] = max(job.budget_tokens - job.spent_tokens, 0) // children
+    if each[0] is not None:
+        budget["usd"] = each[0] / 1_000_000
+    if each[1] is not None:
+        budget["tokens"] = each[1]
     if budget:
         # The children follow the parent's policy: a pausing tree pauses
         # wherever it crosses, and warns at the same thresholds.
-        policy = policy_of(job.meta)
+        policy = policy_of(ctx.meta)
         budget["on_exceed"], budget["warn_at"] = policy.on_exceed, list(policy.warn_at)
     return budget or None
 

@@ -22,11 +22,11 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from belay import connect, names, otel, plans, schema, store
+from belay.ambient import current_context, refuse_contextless
 from belay.authority import Authority, authority_of
 from belay.budget import check_top_up
 from belay.clock import Clock, SystemClock
 from belay.codec import dumps_object
-from belay.context import current_context
 from belay.cron import DynamicCron, dynamic_values
 from belay.crypto import encrypt_input, parse_key
 from belay.enqueue import JobSpec, Row, Unique, build_row, spec_from, with_trace
@@ -1085,6 +1085,7 @@ def _parent_authority() -> tuple[Authority, str] | None:
     it starts inherits it, narrowed at most (:mod:`belay.authority`)."""
     ctx = current_context()
     if ctx is None:
+        refuse_contextless("an enqueue")
         return None
     granted = authority_of(ctx.meta)
     return None if granted is None else (granted, f"job {ctx.id}")

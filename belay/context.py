@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar, Union
 
-from belay import budget, names, otel, store
+from belay import budget, holds, names, otel, store
+from belay.ambient import current_context as current_context
 from belay.budget import BudgetNotice, Headroom
 from belay.codec import decode_value, dumps_object, encode_value
 from belay.enqueue import check_seconds, usd_to_micros
@@ -35,6 +39,11 @@ E = TypeVar("E", bound=BaseException)
 #: §2: the reference refuses step values over 1 MiB; so do we, before writing.
 MAX_STEP_VALUE = 1024 * 1024
 
+#: The step of a fan-in that charges its children's spend back (``map_children``).
+SPEND_PREFIX = "$spend:"
+
+log = logging.getLogger("belay.worker")
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -51,21 +60,6 @@ CostSpec: TypeAlias = Union[
 
 #: The Context whose ``astep`` body is running in this task (steps don't nest).
 _ASYNC_STEP: ContextVar[Context | None] = ContextVar("belay_async_step", default=None)
-
-
-#: The Context of the job running in this thread (or task), for code far from it.
-_CURRENT: ContextVar[Context | None] = ContextVar("belay_current_context", default=None)
-
-
-def current_context() -> Context | None:
-    """The ``ctx`` of the job this code runs in, or None outside a job.
-
-    Set around a worker function's call (not a chunk worker's, whose jobs share a
-    call); it follows into asyncio tasks and into threads started with a copy of
-    the context (``contextvars.copy_context``, as LangChain's executors do).
-    Integrations use it to find the job without ``ctx`` being passed down.
-    """
-    return _CURRENT.get()
 
 
 def describe(exc: BaseException) -> str:
@@ -320,6 +314,9 @@ class Context:
         self._in_step = True
         try:
             value = fn()
+        except BaseException:
+            self.journal.release(name)  # its headroom is free again
+            raise
         finally:
             self._in_step = False
         return self.journal.record(name, value, cost, units, need)
@@ -466,7 +463,10 @@ class Context:
         budget, and at fan-in their spend is charged to this job (step
         ``$spend:<name>``), so one budget holds across the whole tree: the
         parent fails with ``budget_exceeded`` if the children took it over.
-        (Two fan-outs in flight at once each split the same remainder.)
+        What they are given stays held from this job's headroom until that
+        charge-back: two fan-outs in flight at once split what is left between
+        them, never the same remainder twice, and a step's ``max_cost`` must
+        fit beside it.
         """
         share = options.get("budget") == SHARE
         ids = self._spawn_many(name, kind, inputs, options, share=share)
@@ -475,7 +475,7 @@ class Context:
         if share:
             spent = {"usd_micros": sum(k.spent_usd_micros for k in kids),
                      "tokens": sum(k.spent_tokens for k in kids)}
-            self._step(f"$spend:{name}", lambda: spent, _charge_back)
+            self._step(f"{SPEND_PREFIX}{name}", lambda: spent, _charge_back)
         return kids
 
 
@@ -486,15 +486,37 @@ async def _astep(ctx: Context, name: str, fn: Callable[[], Awaitable[T]], cost: 
         raise ctx._nested(name)
     units = None if callable(cost) else cost_units(cost)
     need = cost_units(max_cost)
-    hit, value = await asyncio.to_thread(ctx.journal.lookup, name, need)
+    while True:
+        found = await asyncio.to_thread(ctx.journal.probe, name, need)
+        if not isinstance(found, Wait):
+            break
+        await ctx.journal.asettled(found)
+    hit, value = found
     if hit:
         return value
     token = _ASYNC_STEP.set(ctx)
     try:
         value = await fn()
+    except BaseException:
+        # Cancelled too: a short write on the loop's thread, not awaited (the
+        # task may be cancelled again while it would wait).
+        ctx.journal.release(name)
+        raise
     finally:
         _ASYNC_STEP.reset(token)
     return await asyncio.to_thread(ctx.journal.record, name, value, cost, units, need)
+
+
+#: How often a step waiting for headroom held by its run's steps in flight
+#: checks again without being told (and the cancel and lease with it).
+SETTLE_POLL = 1.0
+
+
+class Wait(NamedTuple):
+    """:meth:`Journal.probe`: the step must wait until this run has settled
+    more than ``after`` holds (:meth:`Journal.lookup` waits by itself)."""
+
+    after: int
 
 
 class Journal:
@@ -514,14 +536,40 @@ class Journal:
         #: The steps this run journaled, when a watchdog looks for repeats.
         self._repeats = (None if watchdog is None or watchdog.repeats is None
                          else Repeats(watchdog.repeats))
+        #: The holds on the headroom of this run's steps in flight, by step name.
+        self._held: dict[str, str] = {}
+        self._run_id: str | None = None
+        #: How many holds this run settled: a step waiting for headroom its
+        #: own steps in flight hold tries again when it moves.
+        self._settled = 0
+        self._settling = threading.Condition()
+
+    @property
+    def run(self) -> str:
+        """This run's name in its holds (:mod:`belay.holds`): a hold of any
+        other run is dead, since one run at a time holds the job."""
+        if self._run_id is None:
+            self._run_id = secrets.token_hex(8)
+        return self._run_id
 
     def lookup(self, name: str, need: tuple[int, int] = (0, 0)) -> tuple[bool, Any]:
         """The journaled value of step ``name`` as ``(True, value)``; else
         ``(False, None)`` once the pre-flight checks allow running it (the
         run still owns its job, the budget is not spent, and it has ``need``
-        (micro-dollars, tokens: the step's ``max_cost``) of headroom). Raises
-        :class:`Interrupted`, :class:`CancelRequested` or
-        :class:`BudgetExceeded` as ``ctx.step`` would."""
+        (micro-dollars, tokens: the step's ``max_cost``) of headroom, which
+        is then held for it). Raises :class:`Interrupted`,
+        :class:`CancelRequested` or :class:`BudgetExceeded` as ``ctx.step``
+        would. A ``max_cost`` that fits only once this run's other steps in
+        flight are journaled (they may cost less than theirs) waits for them."""
+        while True:
+            found = self.probe(name, need)
+            if not isinstance(found, Wait):
+                return found
+            self._wait_settled(found.after)
+
+    def probe(self, name: str, need: tuple[int, int] = (0, 0)) -> tuple[bool, Any] | Wait:
+        """One try of :meth:`lookup`: what it returns, or :class:`Wait` when
+        the step must wait for this run's steps in flight to settle first."""
         ctx = self._ctx
         ctx.checkpoint()
         with ctx.client.connection() as conn:
@@ -531,7 +579,76 @@ class Journal:
             return True, decode_value(found["value"])
         if found is not None:
             self._preflight(found, name, need)
+            if need != (0, 0) and budget.capped(found):
+                settled = self._settled  # read before trying: a settle after it wakes the wait
+                if not self._reserve(name, need):
+                    return Wait(settled)
         return False, None
+
+    def _wait_settled(self, after: int) -> None:
+        with self._settling:
+            self._settling.wait_for(lambda: self._settled != after, SETTLE_POLL)
+
+    async def asettled(self, wait: Wait) -> None:
+        """:meth:`lookup`'s wait, for an ``astep``: on the loop, not in a
+        thread (a wait per step would take every thread of the executor that
+        the steps in flight need to journal)."""
+        deadline = time.monotonic() + SETTLE_POLL
+        while self._settled == wait.after and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    def _reserve(self, name: str, need: tuple[int, int]) -> bool:
+        """Hold ``need`` of the headroom for step ``name`` until it is
+        journaled (True), so steps in flight at once never promise the same
+        money twice; False when it would fit once this run's own steps in
+        flight settle. A step it doesn't fit at all fails or pauses the job as
+        one over its budget does."""
+        ctx = self._ctx
+        with ctx.client.transaction() as conn:
+            reserved = store.run(conn, holds.reserve(ctx.id, ctx.attempt, self.run, name, need,
+                                                     ctx.client.clock.now()))
+        if reserved is None:
+            return True  # the row is gone: nothing to keep within
+        if reserved.verdict == holds.LOST:
+            raise ctx._control(Interrupted(f"job {ctx.id} attempt {ctx.attempt}: lease lost"))
+        if reserved.verdict == holds.WAIT and self._held:
+            return False
+        if reserved.verdict in (holds.SHORT, holds.WAIT):
+            standing = reserved.standing
+            self._check_budget(standing.spend, name, need, standing.held.total)
+            raise AssertionError("unreachable: the reservation did not fit")  # pragma: no cover
+        assert reserved.hold is not None
+        self._held[name] = reserved.hold
+        return True
+
+    def _settle(self) -> None:
+        """A hold of this run was settled or dropped: waiting steps try again."""
+        with self._settling:
+            self._settled += 1
+            self._settling.notify_all()
+
+    def release(self, name: str) -> None:
+        """Drop the hold of step ``name`` when it won't be journaled (it raised).
+        Best effort: a hold left behind dies with this run."""
+        hold = self._held.pop(name, None)
+        if hold is None:
+            return
+        ctx = self._ctx
+        try:
+            with ctx.client.connection() as conn:
+                store.run(conn, holds.release(ctx.id, [hold]))
+        except Exception:
+            log.warning("belay: job %d: dropping the hold of step %r failed; it is dropped "
+                        "when the job next runs", ctx.id, name, exc_info=True)
+        self._settle()
+
+    def _settles(self, name: str) -> list[str]:
+        """The holds journaling step ``name`` settles: its own, and a fan-in's
+        charge-back (``$spend:<fan-out>``) the share its children were given."""
+        settled = [hold] if (hold := self._held.pop(name, None)) is not None else []
+        if name.startswith(SPEND_PREFIX):
+            settled.append(budget.share_name(name[len(SPEND_PREFIX):]))
+        return settled
 
     def record(self, name: str, value: T, cost: CostSpec[T] = None,
                units: tuple[int, int] | None = None,
@@ -541,32 +658,34 @@ class Journal:
         to the budget; returns the value that stands — another run's, if it
         journaled the step first (§11.3)."""
         ctx = self._ctx
-        if units is None:
-            units = self._priced(name, value, cost) if callable(cost) else cost_units(cost)
+        try:
+            if units is None:
+                units = self._priced(name, value, cost) if callable(cost) else cost_units(cost)
+            envelope = self._envelope(name, value)
+        except BaseException:
+            self.release(name)
+            raise
         usd_micros, tokens = units
         otel.step_cost(name, usd_micros, tokens)
-        try:
-            envelope = encode_value(value, what=f"the value of step {name!r}")
-        except ValidationError as exc:
-            raise ctx._control(StepValueRefused(str(exc))) from None
-        except Exception as exc:  # the value's own code raised (a dict subclass's items() …)
-            raise ctx._control(StepValueRefused(
-                f"the value of step {name!r} could not be serialized: {describe(exc)}"
-            )) from None
-        if len(envelope) > MAX_STEP_VALUE:
-            raise ctx._control(StepValueRefused(
-                f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
-                f"{MAX_STEP_VALUE} (1 MiB): store large data elsewhere and journal a reference"
-            ))
         job_id = ctx.id
-        # One statement (journal + spend): no transaction block needed around it.
-        with ctx.client.connection() as conn:
-            spend = store.put_step(conn, job_id, name, envelope, usd_micros, tokens,
-                                   ctx.client.clock.now())
-            if spend is not None and not spend["journaled"]:
-                # Another run of this job journaled it first: its value stands (§11.3).
-                _, journaled = store.get_step(conn, job_id, name)
-                value = decode_value(journaled)
+        own = self._held.get(name)
+        settles = self._settles(name)
+        # One statement (journal + spend + holds settled): no transaction block around it.
+        try:
+            with ctx.client.connection() as conn:
+                spend = store.put_step(conn, job_id, name, envelope, usd_micros, tokens,
+                                       ctx.client.clock.now(), settles)
+                if spend is not None and not spend["journaled"]:
+                    # Another run of this job journaled it first: its value stands (§11.3).
+                    _, journaled = store.get_step(conn, job_id, name)
+                    value = decode_value(journaled)
+        except BaseException:
+            if own is not None:  # not journaled: give the headroom back
+                self._held[name] = own
+                self.release(name)
+            raise
+        if settles:
+            self._settle()
         if spend is not None:
             if spend["journaled"] and _overran(units, limit):
                 self._announce({"type": "budget_step_overrun", "step": name,
@@ -581,6 +700,24 @@ class Journal:
                 if looped is not None:
                     self._trip(looped)
         return value
+
+    def _envelope(self, name: str, value: Any) -> bytes:
+        """A step's value as the journal stores it; StepValueRefused when it can't be."""
+        ctx = self._ctx
+        try:
+            envelope = encode_value(value, what=f"the value of step {name!r}")
+        except ValidationError as exc:
+            raise ctx._control(StepValueRefused(str(exc))) from None
+        except Exception as exc:  # the value's own code raised (a dict subclass's items() …)
+            raise ctx._control(StepValueRefused(
+                f"the value of step {name!r} could not be serialized: {describe(exc)}"
+            )) from None
+        if len(envelope) > MAX_STEP_VALUE:
+            raise ctx._control(StepValueRefused(
+                f"the value of step {name!r} is {len(envelope)} bytes; steps hold at most "
+                f"{MAX_STEP_VALUE} (1 MiB): store large data elsewhere and journal a reference"
+            ))
+        return envelope
 
     def _trip(self, steps: list[str]) -> None:
         """The watchdog saw ``steps`` repeat: fail the job, or park it for steering."""
@@ -658,16 +795,19 @@ class Journal:
             hook(notice)
 
     def _check_budget(self, spend: Mapping[str, Any], name: str,
-                      need: tuple[int, int] = (0, 0)) -> None:
+                      need: tuple[int, int] = (0, 0), held: tuple[int, int] = (0, 0)) -> None:
         """Spend over a cap, or a step's ``max_cost`` (``need``) more than the
-        headroom left: the job pauses for a top-up (``on_exceed="pause"``) or
-        fails with ``budget_exceeded`` (the default)."""
+        headroom left beside what steps in flight hold (``held``): the job
+        pauses for a top-up (``on_exceed="pause"``) or fails with
+        ``budget_exceeded`` (the default)."""
         over = budget.exceeded(spend)
-        if not over and not budget.exceeded(spend, need):
+        if not over and not budget.exceeded(budget.with_held(spend, held), need):
             return
         ctx = self._ctx
         headroom = Headroom.of(spend)
         short = {} if over else {"max_usd": need[0] / 1_000_000, "max_tokens": need[1]}
+        if not over and held != (0, 0):
+            short.update(held_usd=held[0] / 1_000_000, held_tokens=held[1])
         if budget.policy_of(ctx.meta).pauses:
             self._announce({"type": "budget_paused", "step": name, **headroom.to_dict(),
                             **short})
@@ -680,6 +820,8 @@ class Journal:
             "budget_usd_micros": spend["budget_usd_micros"],
             "spent_tokens": spend["spent_tokens"], "budget_tokens": spend["budget_tokens"],
             **({} if over else {"max_cost_usd_micros": need[0], "max_cost_tokens": need[1]}),
+            **({"held_usd_micros": held[0], "held_tokens": held[1]}
+               if not over and held != (0, 0) else {}),
         }))
 
 

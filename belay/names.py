@@ -14,6 +14,8 @@ STEER = "$steer"
 TOP_UP = "$top_up"
 CHILDREN = "$children"
 RESERVED_PREFIX = "$"
+#: Where a job's authority (belay.authority) rides in its ``meta``.
+AUTHORITY_KEY = "$authority"
 
 
 def job_scope(job_id: int) -> str:

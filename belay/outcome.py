@@ -84,6 +84,13 @@ class Outcome:
         return self.kind in ("succeeded", "failed", "cancelled")
 
 
+def cancel_requested(attempt: int) -> Outcome:
+    """§8.6: an operator's cancel reached this attempt (at a step boundary, a
+    lease renewal, or before it started: a job whose cancel was requested
+    never starts another attempt)."""
+    return Outcome("cancelled", error={"reason": "cancel_requested", "attempt": attempt})
+
+
 def error_entry(exc: BaseException, attempt: int) -> dict[str, Any]:
     """An ``errors`` entry: ``{"error": "Type: message", "attempt": n, "traceback": …}``.
 
@@ -251,7 +258,7 @@ def _decide(returned: Any, raised: BaseException | None, attempt: int, max_attem
         return Outcome("failed", error={"error": storable(f"bad step value: {raised}"),
                                         "attempt": attempt})
     if isinstance(raised, CancelRequested):
-        return Outcome("cancelled", error={"reason": "cancel_requested", "attempt": attempt})
+        return cancel_requested(attempt)
     if isinstance(raised, Cancel):
         reason = raised.reason
         text = _exact(reason) if isinstance(reason, str) else safe_repr(reason)

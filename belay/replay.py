@@ -34,8 +34,9 @@ from psycopg.conninfo import make_conninfo
 from psycopg.pq import TransactionStatus
 
 from belay import names, schema, store
+from belay.ambient import entered
 from belay.codec import decode_value, dumps_object, encode_value
-from belay.context import _CURRENT, TIMEOUT, Context, Execution, Journal, check_debit
+from belay.context import TIMEOUT, Context, Execution, Journal, check_debit
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.enqueue import JobSpec
 from belay.errors import ConfigurationError, JobNotFound, ValidationError
@@ -566,18 +567,15 @@ def _call(definition: WorkerDef, ctx: ReplayContext) -> tuple[Any, BaseException
     chunk of one and its entry for this job is unwrapped)."""
     # current_context() is the replay's ctx, as it is the real one in a worker:
     # integrations that find the job through it replay from the journal too.
-    token = _CURRENT.set(ctx) if definition.chunk is None else None
     try:
-        if definition.chunk is None:
-            return definition(ctx), None
-        returned = definition.fn([ctx])  # type: ignore[arg-type]
+        with entered(ctx if definition.chunk is None else None, [ctx]):
+            if definition.chunk is None:
+                return definition(ctx), None
+            returned = definition.fn([ctx])  # type: ignore[arg-type]
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # the job's failure, whatever it raised
         return None, exc
-    finally:
-        if token is not None:
-            _CURRENT.reset(token)
     if returned is None:
         return None, None
     if not isinstance(returned, Mapping):

@@ -18,7 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import set_json_loads
 
-from belay import budget, names, plans
+from belay import budget, holds, names, plans
 from belay.authority import authority_of
 from belay.codec import dumps, loads
 from belay.connect import pooler_error
@@ -351,34 +351,57 @@ def retry_job(conn: Conn, job_id: int, now: datetime) -> RetryOutcome | str | No
 
 def park_await(
     conn: Conn,
-    job_id: int,
-    attempt: int,
+    job: Job,
     scope: str,
     name: str,
     deadline: datetime | None,
     now: datetime,
-) -> str | None:
-    """§7 park-and-wake: park a running job on (scope, name) until ``deadline``.
+) -> str | Acked | None:
+    """§7 park-and-wake: park the claimed attempt of ``job`` on (scope, name)
+    until ``deadline``.
 
     Under the scope lock, an already-delivered signal parks the job ready
     instead, so a delivery racing the park can never be lost. Returns the
-    state written ("awaiting" or "ready"), or None for a stale attempt.
+    state written ("awaiting" or "ready"), or None for a stale attempt — or,
+    when an operator asked to cancel the job while it ran (§8.6), the
+    cancellation it ends with instead (:class:`Acked`, settled).
     Atomic: run inside a transaction.
     """
-    params = {"id": job_id, "attempt": attempt, "scope": scope, "name": name,
+    if job.workflow_id is not None:
+        # A cancel settles the workflow: its lock before the row's (lock_job).
+        lock(conn, names.workflow_lock(job.workflow_id))
+    params = {"id": job.id, "attempt": job.attempt, "scope": scope, "name": name,
               "deadline": deadline, "now": now}
-    need = budget.pause_need(name) if scope == names.job_scope(job_id) else None
+    need = budget.pause_need(name) if scope == names.job_scope(job.id) else None
     if need is not None:
         # A budget pause waits on the caps, not on a signal: it parks unless
-        # a top-up already covers the spend (read under the row lock).
-        found = _rows(conn, "budget_of_for_update", (job_id,))
-        if found and not budget.exceeded(found[0], need):
-            return "ready" if _execute(conn, "park_ready", params) else None
-        return "awaiting" if _execute(conn, "park_await", params) else None
-    lock(conn, names.signal_lock(scope))
-    if _value(conn, "signal_exists", (scope, name)) is not None:
-        return "ready" if _execute(conn, "park_ready", params) else None
-    return "awaiting" if _execute(conn, "park_await", params) else None
+        # a top-up already covers the spend (read under the row lock) beside
+        # what the job's fan-outs hold (its steps' holds end with this run).
+        found = _rows(conn, "budget_of_for_update", (job.id,))
+        if found and not budget.exceeded(
+                budget.with_held(found[0], run(conn, holds.shares_held(job.id))), need):
+            parked = "ready" if _execute(conn, "park_ready", params) else None
+        else:
+            parked = "awaiting" if _execute(conn, "park_await", params) else None
+    else:
+        lock(conn, names.signal_lock(scope))
+        if _value(conn, "signal_exists", (scope, name)) is not None:
+            parked = "ready" if _execute(conn, "park_ready", params) else None
+        else:
+            parked = "awaiting" if _execute(conn, "park_await", params) else None
+    return parked if parked is not None else cancel_flagged(conn, job, now)
+
+
+def cancel_flagged(conn: Conn, job: Job, now: datetime) -> Acked | None:
+    """§8.6: end the claimed attempt of ``job`` cancelled if an operator asked
+    to cancel it, with §7's after-terminal effects; None when no cancel was
+    asked (or the attempt is stale). The caller holds the workflow lock of a
+    member. Atomic: run inside a transaction."""
+    found = _rows(conn, "cancel_flagged", {"id": job.id, "attempt": job.attempt, "now": now})
+    if not found:
+        return None
+    cancelled = Job.from_row(found[0])
+    return Acked(cancelled, after_terminal(conn, cancelled, now))
 
 
 def top_up(conn: Conn, job_id: int, usd_micros: int, tokens: int, now: datetime
@@ -399,9 +422,10 @@ def top_up(conn: Conn, job_id: int, usd_micros: int, tokens: int, now: datetime
         granted.check_budget(usd if usd_micros else None, more if tokens else None,
                              f"job {job_id}", required=False)
     need = budget.pause_need(job.await_name) if job.state == "awaiting" else None
-    wake = need is not None and not budget.exceeded({
+    wake = need is not None and not budget.exceeded(budget.with_held({
         "budget_usd_micros": usd, "spent_usd_micros": job.spent_usd_micros,
-        "budget_tokens": more, "spent_tokens": job.spent_tokens}, need)
+        "budget_tokens": more, "spent_tokens": job.spent_tokens},
+        run(conn, holds.shares_held(job_id))), need)
     rows = _rows(conn, "top_up", {"id": job_id, "usd_micros": usd, "tokens": more,
                                   "wake": wake, "now": now})
     return Job.from_row(rows[0]), wake
@@ -572,11 +596,38 @@ def ack(
         "error": None if error is None else dumps(error).decode(),
     })
     if not found:
+        if kind == "succeeded" and budget.capped(_caps(job)):
+            return _over_budget(conn, job, now)
         return None
     updated = Job.from_row(found[0])
     if updated.terminal:
         return Acked(updated, after_terminal(conn, updated, now))
     return Acked(updated, Settled([], []))
+
+
+def _caps(job: Job) -> dict[str, Any]:
+    return {"budget_usd_micros": job.budget_usd_micros, "budget_tokens": job.budget_tokens}
+
+
+def _over_budget(conn: Conn, job: Job, now: datetime) -> Acked | None:
+    """A success the fence refused although the attempt is current: the job's
+    spend is over a cap (ack_succeeded). It ends as the step that crossed it
+    would have ended it — failed with ``budget_exceeded``, or parked for a
+    top-up under ``on_exceed="pause"``; None when the ack was stale after all."""
+    found = _rows(conn, "lock_budget", {"id": job.id, "attempt": job.attempt})
+    if not found or not found[0]["holds_job"] or not budget.exceeded(found[0]):
+        return None
+    spend = found[0]
+    if budget.policy_of(job.meta).pauses:
+        parked = park_await(conn, job, names.job_scope(job.id), names.TOP_UP, None, now)
+        if parked is None or isinstance(parked, Acked):
+            return parked
+        current = get_job(conn, job.id)
+        return None if current is None else Acked(current, Settled([], []))
+    error = {"error": "budget_exceeded", "step": None, "attempt": job.attempt, "at_ack": True,
+             **{key: spend[key] for key in ("spent_usd_micros", "budget_usd_micros",
+                                            "spent_tokens", "budget_tokens")}}
+    return ack(conn, job, "failed", now, error=error)
 
 
 def batchable(job: Job) -> bool:
@@ -684,13 +735,15 @@ def step_lookup(conn: Conn, job_id: int, name: str) -> dict[str, Any] | None:
 
 def put_step(
     conn: Conn, job_id: int, name: str, value: bytes, usd_micros: int, tokens: int,
-    now: datetime,
+    now: datetime, holds: Sequence[str] = (),
 ) -> dict[str, Any] | None:
-    """Journal a step and add its cost, atomically; returns the job's spend and caps
-    and whether this call journaled it (False: another run got there first)."""
+    """Journal a step and add its cost, atomically, dropping the ``holds`` it
+    settles (:mod:`belay.holds`); returns the job's spend and caps and whether
+    this call journaled it (False: another run got there first)."""
     found = _rows(conn, "put_step", {
         "job_id": job_id, "name": name, "value": value, "usd_micros": usd_micros,
-        "tokens": tokens, "now": now,
+        "tokens": tokens, "now": now, "scope": names.job_scope(job_id),
+        "holds": list(holds) if holds else None,
     })
     return found[0] if found else None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -89,3 +90,23 @@ def cpu(ctx: belay.Context) -> int:
     for n in range(int(ctx.input["n"])):
         total += n * n % 7
     return total
+
+
+@belay.worker(name="pool.threads", queue=QUEUE, registry=REGISTRY)
+def threads(ctx: belay.Context) -> dict[str, str]:
+    """Enqueues from threads it starts, in a child process: one plain (the
+    job's authority doesn't reach it: refused), one given the job's context."""
+    seen: dict[str, str] = {}
+
+    def attempt(label: str) -> None:
+        try:
+            ctx.client.enqueue("evil.kind")
+            seen[label] = "enqueued"
+        except belay.AuthorityExceeded as exc:
+            seen[label] = f"refused: {exc}"
+
+    for thread in (threading.Thread(target=attempt, args=("plain",)),
+                   threading.Thread(target=belay.propagate(attempt), args=("propagated",))):
+        thread.start()
+        thread.join(30)
+    return seen

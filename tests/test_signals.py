@@ -18,6 +18,7 @@ from psycopg import sql
 
 import belay
 from belay import store
+from belay.job import Job
 from tests.helpers import (
     START,
     Conn,
@@ -280,17 +281,22 @@ def test_a_cleared_signal_no_longer_short_circuits_a_park(client, db_url, sql_co
     assert client.clear_signal(f"job:{job}", "go") is True
 
     with psycopg.connect(db_url) as conn, conn.transaction():
-        state = store.park_await(conn, job, 1, f"job:{job}", "go", None, clock.now())
+        state = store.park_await(conn, claimed(job, 1), f"job:{job}", "go", None, clock.now())
     assert state == "awaiting"
 
 
 # -- §7 park-and-wake -------------------------------------------------------------------------
 
 
+def claimed(job_id: int, attempt: int) -> Job:
+    """The claimed attempt a park is fenced on (a running job's row, as claimed)."""
+    return Job(id=job_id, kind="test.kind", queue="default", state="running", attempt=attempt)
+
+
 def park(db_url: str, job_id: int, attempt: int, scope: str, name: str,
-         deadline: datetime | None, now: datetime) -> str | None:
+         deadline: datetime | None, now: datetime) -> Any:
     with psycopg.connect(db_url) as conn, conn.transaction():
-        return store.park_await(conn, job_id, attempt, scope, name, deadline, now)
+        return store.park_await(conn, claimed(job_id, attempt), scope, name, deadline, now)
 
 
 def test_park_without_a_signal_awaits_until_the_deadline(db_url, sql_conn, clock) -> None:
@@ -386,7 +392,7 @@ def test_delivery_racing_the_park_never_loses_the_wake_up(client, db_url, sql_co
     def parker(conn: Conn, job: int, barrier: threading.Barrier, out: dict[str, Any]) -> None:
         barrier.wait()
         with conn.transaction():
-            out["park"] = store.park_await(conn, job, 1, f"job:{job}", "go", None, clock.now())
+            out["park"] = store.park_await(conn, claimed(job, 1), f"job:{job}", "go", None, clock.now())
 
     def signaller(job: int, barrier: threading.Barrier, out: dict[str, Any]) -> None:
         barrier.wait()
@@ -467,7 +473,7 @@ def test_delivery_waits_for_an_open_park_then_wakes_it(client, db_url, sql_conn,
     woken: list[int] = []
     with psycopg.connect(db_url) as conn:
         with conn.transaction():
-            assert store.park_await(conn, job, 1, f"job:{job}", "go", None, clock.now()) == (
+            assert store.park_await(conn, claimed(job, 1), f"job:{job}", "go", None, clock.now()) == (
                 "awaiting"
             )
             thread = threading.Thread(target=lambda: woken.extend(client.signal_job(job, "go")))

@@ -519,9 +519,9 @@ def test_a_cancel_request_stops_a_running_job_at_its_next_step_miss(client, sql_
 @pytest.mark.parametrize("how", ["raises", "lease_lapses"])
 def test_a_cancel_request_survives_the_attempt_that_did_not_honour_it(client, sql_conn, clock,
                                                                       how) -> None:
-    """§7/§8.6: transitions never clear the flag — the attempt that got the
-    request fails (or is reclaimed) without reaching a step; the next attempt
-    replays its journal and cancels itself at its first miss. An operator's
+    """§8.6: the attempt that got the request fails (or is reclaimed) without
+    reaching a step: instead of a retry, the job ends cancelled there — no
+    further attempt starts, so nothing of the job runs again. An operator's
     retry afterwards clears the flag and the job completes."""
     reg = belay.Registry()
     calls: list[tuple[int, str]] = []
@@ -539,17 +539,16 @@ def test_a_cancel_request_survives_the_attempt_that_did_not_honour_it(client, sq
         return "completed"
 
     j = client.enqueue(job)
-    assert drain(client, reg, max_jobs=1) == ({"retry": 1} if how == "raises" else {"stale": 1})
-    between = job_row(sql_conn, j.id)
-    assert (between["state"], between["attempt"], between["cancel_requested"]) == (
-        "ready", 1, True)
-
-    assert drain(client, reg) == {"cancelled": 1}
+    assert drain(client, reg, max_jobs=1) == (
+        {"cancelled": 1} if how == "raises" else {"stale": 1})
+    assert drain(client, reg) == {}  # no attempt 2: nothing is claimable
     assert calls == [(1, "first")]
     row = job_row(sql_conn, j.id)
-    assert (row["state"], row["attempt"]) == ("cancelled", 2)
-    assert row["errors"][-1]["reason"] == "cancel_requested"
-    assert row["errors"][-1]["attempt"] == 2
+    assert (row["state"], row["attempt"], row["cancel_requested"]) == ("cancelled", 1, True)
+    # The attempt's own error (or the lapsed lease), then the cancel that ended it.
+    assert row["errors"][-2]["error"].startswith(
+        "RuntimeError" if how == "raises" else "lease_expired")
+    assert row["errors"][-1] == {"reason": "cancel_requested", "attempt": 1}
 
     client.retry_job(j.id)
     assert job_row(sql_conn, j.id)["cancel_requested"] is False

@@ -53,6 +53,7 @@ from belay.job import Job
 from belay.outcome import (
     RETURN_SNOOZE,
     Outcome,
+    cancel_requested,
     retry_or_fail,
     safe_delay,
 )
@@ -657,6 +658,12 @@ class WorkerSessions:
             if not jobs:
                 return None
             (job,) = jobs
+            if job.cancel_requested:  # §8.6: never another attempt once a cancel was asked
+                acked = store.ack(conn, job, "cancelled", self.client.clock.now(),
+                                  error=cancel_requested(job.attempt).error)
+                if acked is not None:
+                    self._poke(conn, acked)
+                return None
             if is_encrypted(job.input):
                 try:
                     return job.replace(input=decrypt_input(job.input, self.client.encryption_key))

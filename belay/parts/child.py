@@ -38,8 +38,9 @@ from typing import Any
 import orjson
 
 from belay import protocol
+from belay.ambient import entered
 from belay.client import Belay
-from belay.context import _CURRENT, Context, Park
+from belay.context import Context, Park
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.errors import ConfigurationError
 from belay.outcome import RETURN_SNOOZE, Outcome, decide
@@ -187,15 +188,13 @@ class Child:
                 return outcome_fields(Outcome("snooze", at=when))
         execution = Execution(job, definition, None, node=self.node_id)
         ctx = Context(execution, self.client, self.registry, notify=self.settings.notify)
-        token = _CURRENT.set(ctx)
         returned: Any = None
         raised: BaseException | None = None
         try:
-            returned = definition(ctx)
+            with entered(ctx):
+                returned = definition(ctx)
         except BaseException as exc:  # the job's failure, whatever it raised
             raised = exc
-        finally:
-            _CURRENT.reset(token)
         if raised is not None and issubclass(type(raised), Park):
             assert isinstance(raised, Park)
             deadline = None if raised.deadline is None else raised.deadline.isoformat()

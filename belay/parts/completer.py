@@ -58,6 +58,16 @@ def ack_on(conn: psycopg.Connection[Any], job: Job, outcome: Outcome, now: datet
     return acked
 
 
+def written(outcome: Outcome, row: Job) -> str:
+    """What an ack wrote, by the row it left: ``outcome.kind``, unless the
+    database decided otherwise — a retry or snooze of a job whose cancel was
+    requested ends "cancelled" (§8.6); a success over a budget cap "failed",
+    or "await" for a top-up."""
+    if row.state in ("succeeded", "failed", "cancelled"):
+        return row.state
+    return "await" if row.state == "awaiting" else outcome.kind
+
+
 @dataclass(frozen=True)
 class PendingAck:
     """A success handed to the batched ack: acked, then reported, then forgotten."""
@@ -117,20 +127,21 @@ class Completer:
         if self.notify:
             store.notify(conn, self._pools.channel, [store.poke_payload(q) for q in queues])
 
-    def ack(self, job: Job, outcome: Outcome) -> bool:
-        """One fenced ack in its own transaction; False when stale (discarded)
-        or when the database stayed away."""
+    def ack(self, job: Job, outcome: Outcome) -> str | None:
+        """One fenced ack in its own transaction: what it wrote
+        (:func:`written`), or None when stale (discarded) or when the database
+        stayed away."""
         if self._pools.pool is None:
             log.warning("belay: job %d attempt %d finished after its worker stopped; its "
                         "lease will lapse and it will be reclaimed", job.id, job.attempt)
-            return False
+            return None
         done, acked = self.write(
             f"ack of job {job.id}",
             lambda conn: ack_on(conn, job, outcome, self._now(), self.announce))
         if done and acked is None:
             log.warning("belay: stale ack for job %d attempt %d discarded (the job was "
                         "reclaimed)", job.id, job.attempt)
-        return acked is not None
+        return None if acked is None else written(outcome, acked.job)
 
     def write(self, what: str, write: Callable[[psycopg.Connection[Any]], T]
               ) -> tuple[bool, T | None]:
@@ -150,13 +161,16 @@ class Completer:
 
     def park(self, job: Job, scope: str, name: str, deadline: datetime | None) -> str:
         """§7 park-and-wake: "await", "woken" when the signal was already there,
+        "cancelled" when an operator asked to cancel the job meanwhile (§8.6),
         or "stale"."""
         pool = self._pools.pool
         if pool is None:
             return "stale"
         with pool.connection() as conn, conn.transaction():
-            parked = store.park_await(conn, job.id, job.attempt, scope, name, deadline,
-                                      self._now())
+            parked = store.park_await(conn, job, scope, name, deadline, self._now())
+            if isinstance(parked, store.Acked):
+                self.announce(conn, parked)
+                return "cancelled"
             if parked == "ready" and self.notify:
                 store.notify(conn, self._pools.channel, [store.poke_payload(job.queue)])
         if parked is None:

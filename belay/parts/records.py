@@ -53,10 +53,14 @@ class Records:
 
     def park(self, job: Job, scope: str, name: str, deadline: datetime | None) -> str | None:
         """§7 park-and-wake of the claimed attempt: "awaiting", "ready" (the
-        signal was there: it runs again now), or None when stale."""
+        signal was there: it runs again now), "cancelled" (an operator asked
+        to cancel it meanwhile, §8.6), or None when stale."""
         now = self.client.clock.now()
         with self.client.connection() as conn, conn.transaction():
-            parked = store.park_await(conn, job.id, job.attempt, scope, name, deadline, now)
+            parked = store.park_await(conn, job, scope, name, deadline, now)
+            if isinstance(parked, store.Acked):
+                self.announce(conn, parked)
+                return "cancelled"
             if parked == "ready":
                 self.client.poke(conn, [job.queue])
         return parked

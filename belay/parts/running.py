@@ -15,8 +15,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from belay import otel
+from belay.ambient import entered
 from belay.client import Belay
-from belay.context import _CURRENT, Context, Park, pause_for_steering
+from belay.context import CancelRequested, Context, Park, pause_for_steering
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
 from belay.errors import ConfigurationError, ValidationError
 from belay.job import Job
@@ -133,6 +134,9 @@ class JobRunner:
 
     def _execute(self, execution: Execution) -> str:
         execution.thread = threading.get_ident()
+        if execution.job.cancel_requested:
+            self.hooks.started(execution)
+            return self.conclude(execution, None, cancelled_before_start(execution.job))
         if not self._decrypt(execution):
             return "snooze"
         definition = execution.definition
@@ -152,16 +156,14 @@ class JobRunner:
         (what it returned, what it raised)."""
         for layer in reversed(self.middleware):
             call = _wrapped(layer, contexts, call)
-        token = _CURRENT.set(current) if current is not None else None
         traced = otel.enter(span)
         try:
-            return call(), None
+            with entered(current, contexts):
+                return call(), None
         except BaseException as exc:  # the job's failure, whatever it raised
             return None, exc
         finally:
             otel.leave(traced)
-            if token is not None:
-                _CURRENT.reset(token)
 
     # -- A chunk -----------------------------------------------------------------------
 
@@ -188,7 +190,11 @@ class JobRunner:
         runnable: list[Execution] = []
         for execution in executions:
             execution.thread = threading.get_ident()
-            if self._decrypt(execution):
+            if execution.job.cancel_requested:
+                self.hooks.started(execution)
+                outcomes[execution.job.id] = self._conclude_one(
+                    execution, None, cancelled_before_start(execution.job))
+            elif self._decrypt(execution):
                 runnable.append(execution)
             else:
                 outcomes[execution.job.id] = "snooze"
@@ -286,13 +292,25 @@ class JobRunner:
             outcome = decide(returned=returned, raised=raised, attempt=job.attempt,
                              max_attempts=job.max_attempts, now=self._now(),
                              backoff=definition.backoff)
-        if (outcome.kind == "succeeded" and self._may_batch()
+        # A job with a budget cap acks alone: its success is fenced on its
+        # spend (store.ack), which a batch does not check.
+        if (outcome.kind == "succeeded" and self._may_batch() and not capped(job)
                 and self.completer.defer(PendingAck(execution, outcome.result, duration))):
             return "succeeded"
-        acked = self.completer.ack(job, outcome)
-        kind = outcome.kind if acked else "stale"
+        kind = self.completer.ack(job, outcome) or "stale"
         self.hooks.finished(job, kind, duration, outcome.error, raised)
         return kind
+
+
+def capped(job: Job) -> bool:
+    return job.budget_usd_micros is not None or job.budget_tokens is not None
+
+
+def cancelled_before_start(job: Job) -> CancelRequested:
+    """§8.6: a claimed job whose cancel was requested (by an operator, while an
+    earlier attempt ran) never runs again: it is acked cancelled unrun."""
+    return CancelRequested(f"job {job.id}: cancel requested before attempt {job.attempt} "
+                           "started")
 
 
 def _wrapped(layer: Middleware, contexts: Sequence[Context], call: Callable[[], Any]

@@ -17,6 +17,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from belay.ambient import mark_system_thread
+
 log = logging.getLogger("belay.worker")
 
 
@@ -93,6 +95,8 @@ class Service:
         return self._stop.is_set()
 
     def _main(self) -> None:
+        # Not a job's thread: what the loop enqueues (a cron's job) is belay's.
+        mark_system_thread()
         try:
             self._body(self)
             if self._stop.is_set():

@@ -52,7 +52,8 @@ from belay import names, protocol, socketpath, store
 from belay.client import Belay
 from belay.errors import BelayError, ValidationError
 from belay.job import Job
-from belay.outcome import Outcome
+from belay.outcome import Outcome, cancel_requested
+from belay.parts.completer import written
 from belay.parts.execution import ACKED, LOST, Execution
 from belay.parts.leases import Leases, timeout_outcome
 from belay.parts.producer import claim_jobs
@@ -477,6 +478,9 @@ class ExecutorServer:
         return sent
 
     def _execute(self, connection: _Connection, job: Job) -> int:
+        if job.cancel_requested:  # §8.6: never another attempt once a cancel was asked
+            self.records.ack(job, cancel_requested(job.attempt))
+            return 0
         timeout_ms = self.records.timeout_ms(job)
         execution = Execution(job, None, None if timeout_ms is None else timeout_ms / 1000,
                               node=connection.node_id, clock=self._clock)
@@ -659,12 +663,12 @@ class _Requests:
             if isinstance(decided, Parked):
                 parked = server.records.park(job, decided.scope, decided.name, decided.deadline)
                 state = None if parked is None else \
-                    "ready" if parked == "ready" else "awaiting"
-                outcome = "woken" if parked == "ready" else "await"
+                    parked if parked in ("ready", "cancelled") else "awaiting"
+                outcome = {"ready": "woken", "cancelled": "cancelled"}.get(parked or "", "await")
             else:
                 acked = server.records.ack(job, decided)
                 state = None if acked is None else acked.job.state
-                outcome = decided.kind
+                outcome = decided.kind if acked is None else written(decided, acked.job)
         except BaseException:
             execution.reopen(ACKED)  # nothing written: the executor may report it again
             raise

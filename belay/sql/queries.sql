@@ -420,18 +420,19 @@ SELECT 1 FROM belay_signals WHERE scope = %s AND name = %s;
 
 -- name: park_await
 -- §7 await park, fenced on the claimed attempt. The attempt goes back down:
--- parking is not a failed try.
+-- parking is not a failed try. Not with a cancel requested (§8.6): that run
+-- ends cancelled instead (cancel_flagged), not parked for days.
 UPDATE belay_jobs
 SET state = 'awaiting', await_scope = %(scope)s, await_name = %(name)s,
     ready_at = %(deadline)s, attempt = attempt - 1, lease_until = NULL, leased_by = NULL
-WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s;
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s AND NOT cancel_requested;
 
 -- name: park_ready
 -- §7: the signal was already there, so park as ready instead of awaiting.
 UPDATE belay_jobs
 SET state = 'ready', ready_at = %(now)s, await_scope = NULL, await_name = NULL,
     attempt = attempt - 1, lease_until = NULL, leased_by = NULL
-WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s;
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s AND NOT cancel_requested;
 
 -- name: top_up
 -- New caps for a job, and a job parked awaiting a top-up made ready when
@@ -465,6 +466,32 @@ FROM belay_jobs WHERE id = %s;
 -- (a top-up that committed meanwhile is seen; one after waits for the park).
 SELECT spent_usd_micros, spent_tokens, budget_usd_micros, budget_tokens
 FROM belay_jobs WHERE id = %s FOR UPDATE;
+
+-- name: lock_budget
+-- Headroom is reserved under the job row's lock (a step's max_cost, a
+-- fan-out's share): its spend and caps, and whether the run of this attempt
+-- still holds the job (a run that lost its lease reserves nothing). The holds
+-- are read after the lock, by a statement of their own: under READ COMMITTED
+-- only a later statement sees what a racing reservation committed while this
+-- one waited for the lock.
+SELECT spent_usd_micros, spent_tokens, budget_usd_micros, budget_tokens,
+       (state = 'running' AND attempt = %(attempt)s) AS holds_job
+FROM belay_jobs WHERE id = %(id)s FOR UPDATE;
+
+-- name: budget_holds
+-- A job's holds on its headroom: signals $budget:hold:<run>:<step> and
+-- $budget:share:<fan-out> in its scope (reserved names; no job awaits them).
+SELECT name, payload FROM belay_signals
+WHERE scope = %s AND (starts_with(name, '$budget:hold:') OR starts_with(name, '$budget:share:'));
+
+-- name: put_budget_hold
+INSERT INTO belay_signals (scope, name, payload, inserted_at)
+VALUES (%(scope)s, %(name)s, %(payload)s::jsonb, %(now)s)
+ON CONFLICT (scope, name) DO UPDATE
+SET payload = EXCLUDED.payload, inserted_at = EXCLUDED.inserted_at;
+
+-- name: drop_budget_holds
+DELETE FROM belay_signals WHERE scope = %s AND name = ANY(%s::text[]);
 
 -- name: claim_queues
 -- The plain claim for several queues in one statement (one round trip, one
@@ -583,11 +610,16 @@ WHERE j.id = mine.id
 RETURNING j.id, j.attempt, j.cancel_requested;
 
 -- name: ack_succeeded
--- §7 acks: each fenced on the claimed attempt; zero rows means a stale ack.
+-- §7 acks: each fenced on the claimed attempt; zero rows means a stale ack —
+-- or, for a success, a job whose spend is over a cap: a run that crossed it
+-- (in a step whose BudgetExceeded the job's code swallowed, say) never ends
+-- succeeded; store.ack then fails or pauses it as the crossing would have.
 UPDATE belay_jobs
 SET state = 'succeeded', result = %(result)s, finished_at = %(now)s,
     lease_until = NULL, leased_by = NULL
 WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
+  AND (budget_usd_micros IS NULL OR spent_usd_micros <= budget_usd_micros)
+  AND (budget_tokens IS NULL OR spent_tokens <= budget_tokens)
 RETURNING {job_columns};
 
 -- name: ack_succeeded_many
@@ -635,8 +667,17 @@ LEFT JOIN LATERAL (
 ) AS sent ON true;
 
 -- name: ack_retry
+-- §8.6: an attempt that would run again ends cancelled instead when an
+-- operator asked to cancel the job while it ran (its flag, read under the
+-- row lock this update takes): a cancel the next attempt never sees would
+-- run the job's side effects once more.
 UPDATE belay_jobs
-SET state = 'ready', ready_at = %(at)s, errors = errors || jsonb_build_array(%(error)s::jsonb),
+SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'ready' END,
+    ready_at = CASE WHEN cancel_requested THEN ready_at ELSE %(at)s END,
+    finished_at = CASE WHEN cancel_requested THEN %(now)s ELSE finished_at END,
+    errors = errors || jsonb_build_array(%(error)s::jsonb) || CASE WHEN cancel_requested
+      THEN jsonb_build_array(jsonb_build_object('reason', 'cancel_requested', 'attempt', attempt))
+      ELSE '[]'::jsonb END,
     lease_until = NULL, leased_by = NULL
 WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
 RETURNING {job_columns};
@@ -656,11 +697,27 @@ WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
 RETURNING {job_columns};
 
 -- name: ack_snooze
--- A snooze is not a failed try: the attempt goes back down.
+-- A snooze is not a failed try: the attempt goes back down. With a cancel
+-- requested it ends cancelled instead (see ack_retry), the attempt kept.
 UPDATE belay_jobs
-SET state = 'ready', ready_at = %(at)s, attempt = attempt - 1,
+SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'ready' END,
+    ready_at = CASE WHEN cancel_requested THEN ready_at ELSE %(at)s END,
+    attempt = CASE WHEN cancel_requested THEN attempt ELSE attempt - 1 END,
+    finished_at = CASE WHEN cancel_requested THEN %(now)s ELSE finished_at END,
+    errors = CASE WHEN cancel_requested THEN errors || jsonb_build_array(
+      jsonb_build_object('reason', 'cancel_requested', 'attempt', attempt)) ELSE errors END,
     lease_until = NULL, leased_by = NULL
 WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
+RETURNING {job_columns};
+
+-- name: cancel_flagged
+-- §8.6: a run that would park (or was claimed) with a cancel requested ends
+-- cancelled instead, fenced on its attempt like any ack.
+UPDATE belay_jobs
+SET state = 'cancelled', finished_at = %(now)s, lease_until = NULL, leased_by = NULL,
+    errors = errors || jsonb_build_array(
+      jsonb_build_object('reason', 'cancel_requested', 'attempt', attempt))
+WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s AND cancel_requested
 RETURNING {job_columns};
 
 -- name: expired_leases
@@ -690,8 +747,12 @@ WHERE j.id = %(job_id)s;
 -- name: put_step
 -- §8.2 journal + spend in one statement. The spend is added only when this
 -- call journaled the step: a racing duplicate (a zombie attempt) neither
--- overwrites the value nor pays twice.
-WITH journaled AS (
+-- overwrites the value nor pays twice. The same statement drops the step's
+-- holds on the headroom (lock_budget), so the headroom a reservation reads
+-- is never the hold and the spend at once, nor neither.
+WITH released AS (
+  DELETE FROM belay_signals WHERE scope = %(scope)s AND name = ANY(%(holds)s::text[])
+), journaled AS (
   INSERT INTO belay_steps (job_id, seq, name, value, usd_micros, tokens, inserted_at)
   VALUES (%(job_id)s,
           (SELECT COALESCE(max(seq), 0) + 1 FROM belay_steps WHERE job_id = %(job_id)s),
