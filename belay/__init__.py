@@ -46,6 +46,7 @@ from belay.enqueue import Unique
 from belay.errors import (
     AuthorityExceeded,
     BelayError,
+    ClientClosed,
     ConfigurationError,
     ContractMismatch,
     JobCancelled,
@@ -94,6 +95,7 @@ __all__ = [
     "BudgetExceeded",
     "Cancel",
     "CancelRequested",
+    "ClientClosed",
     "ConfigurationError",
     "Context",
     "ContractMismatch",
