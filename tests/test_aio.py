@@ -534,6 +534,9 @@ def test_close_ends_the_waits_under_way_and_leaves_no_connection(
             await client.get_job(job.id)
         with pytest.raises(belay.ClientClosed, match="was closed"):
             await client.await_result(job.id, timeout=1)
+        # A connection of the caller's is not the client's to refuse.
+        async with await psycopg.AsyncConnection.connect(db_url) as conn:
+            assert (await client.get_job(job.id, conn=conn)).state == "ready"  # type: ignore[union-attr]
         await client.close()  # still idempotent
 
     arun(main)

@@ -579,6 +579,9 @@ def test_close_ends_the_waits_under_way_and_leaves_no_connection(
         instance.get_job(job)
     with pytest.raises(belay.ClientClosed, match="was closed"):
         instance.await_result(job, timeout=1)
+    # A connection of the caller's is not the client's to refuse.
+    with psycopg.connect(db_url) as conn:
+        assert instance.get_job(job, conn=conn).state == "ready"  # type: ignore[union-attr]
     instance.close()  # still idempotent
     wait_until(lambda: other_sessions(sql_conn) == [], "the client's sessions end",
                timeout=10)
