@@ -47,6 +47,7 @@ from belay.enqueue import Unique
 from belay.errors import (
     AuthorityExceeded,
     BelayError,
+    ClientClosed,
     ConfigurationError,
     ContractMismatch,
     JobCancelled,
@@ -95,6 +96,7 @@ __all__ = [
     "BudgetExceeded",
     "Cancel",
     "CancelRequested",
+    "ClientClosed",
     "ConfigurationError",
     "Context",
     "ContractMismatch",

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import conninfo as pg_conninfo
 from psycopg.pq import TransactionStatus
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolClosed
 
 from belay import connect, names, otel, plans, schema, store
 from belay.ambient import current_context, refuse_contextless
@@ -31,6 +31,7 @@ from belay.cron import DynamicCron, dynamic_values
 from belay.crypto import encrypt_input, parse_key
 from belay.enqueue import JobSpec, Row, Unique, build_row, spec_from, with_trace
 from belay.errors import (
+    ClientClosed,
     ConfigurationError,
     JobCancelled,
     JobFailed,
@@ -48,6 +49,7 @@ from belay.schedules import Schedule, SchedulePage
 from belay.spend import DEFAULT_LIMIT as SPEND_LIMIT
 from belay.spend import Query as SpendQuery
 from belay.spend import SpendReport, SpendTree
+from belay.waits import Pause, Waits
 from belay.workflow import Workflow, member_errors
 
 Conn = psycopg.Connection[Any]
@@ -205,6 +207,8 @@ class Belay(ClientSettings):
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._listener: ResultListener | None = None
+        #: The waits under way; closed (for good) by close().
+        self._waits = Waits()
         self._channel: str | None = None
         self._pid = os.getpid()
         #: Calls without ``conn=`` run on what this returns (a framework's
@@ -218,6 +222,8 @@ class Belay(ClientSettings):
 
     def _own_pool(self) -> ConnectionPool:
         with self._lock:
+            if self._waits.closed:
+                raise ClientClosed()
             if self._pid != os.getpid():
                 # Forked: the parent's pool and listener belong to the parent.
                 # Drop them unclosed (closing would talk on the parent's sockets).
@@ -259,8 +265,14 @@ class Belay(ClientSettings):
                 with self._unprepared(borrowed.conn):
                     yield borrowed.conn
             else:
-                with self._own_pool().connection() as own:
-                    yield own
+                try:
+                    with self._own_pool().connection() as own:
+                        yield own
+                except PoolClosed:
+                    # close() on another thread, after _own_pool() handed the pool out.
+                    if self._waits.closed:
+                        raise ClientClosed() from None
+                    raise
         finally:
             stack.pop()
 
@@ -359,7 +371,15 @@ class Belay(ClientSettings):
             store.notify(conn, self.notify_channel(conn), payloads)
 
     def close(self) -> None:
-        """Close the pool and stop the result listener; idempotent."""
+        """Close the pool and stop the result listener; idempotent.
+
+        For good: waits under way on other threads (``await_result``,
+        ``subscribe_events``) end at once with :class:`ClientClosed`, and so
+        does every later call that would need the pool or the listener (a
+        call on a connection of yours, ``conn=``, still runs on it)."""
+        # First, so the waits end even while an open holds the lock; a pool
+        # opened meanwhile is the one taken and closed below.
+        self._waits.close()
         with self._lock:
             pool, self._pool = self._pool, None
             listener, self._listener = self._listener, None
@@ -550,7 +570,9 @@ class Belay(ClientSettings):
 
         Reads by sequence number, so a reconnecting consumer that passes the last
         seq it saw loses and repeats nothing. Polls on a 10 ms → ``poll_interval``
-        backoff; a result notification ends the wait at once.
+        backoff; a result or event notification ends the wait at once (the
+        events are then read). Raises :class:`ClientClosed` when another
+        thread closes the client meanwhile.
         """
         job_id = _job_id(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -913,9 +935,11 @@ class Belay(ClientSettings):
         """Wait for a job to finish and return its decoded result.
 
         Raises :class:`JobFailed` or :class:`JobCancelled` when it ends that
-        way, :class:`TimeoutError` after ``timeout`` seconds (None: no limit).
+        way, :class:`TimeoutError` after ``timeout`` seconds (None: no limit),
+        :class:`ClientClosed` when another thread closes the client meanwhile.
         Re-reads the job on a 5 ms → 50 ms backoff (x1.5 per look); a result
-        notification (§9.2) cuts the wait short.
+        notification (§9.2) cuts the wait short. The result is always the
+        row's, never what a notification says.
         """
         job_id = _job_id(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -930,41 +954,19 @@ class Belay(ClientSettings):
                 wait = _bounded(interval, deadline)
                 if wait is None:
                     raise TimeoutError(f"job {job_id} is still {job.state} after {timeout} s")
-                carried, result = pause(wait)
-                if carried:
-                    # The notification of its success carried the result (§9.2).
-                    return result
+                # A notification only cuts the pause short: the row, read
+                # next, is the answer (anyone may send one, issue 38).
+                pause(wait)
                 # A short ceiling: without notifications (or when one is
                 # missed) the result shows within 50 ms, at 20 reads/s at most.
                 interval = min(interval * 1.5, 0.05)
 
-    @contextmanager
-    def _watching(self, job_id: int) -> Iterator[Callable[[float], tuple[bool, Any]]]:
+    def _watching(self, job_id: int) -> AbstractContextManager[Pause]:
         """A ``pause(seconds)`` that a notification about ``job_id`` cuts
-        short; it returns ``(True, result)`` when that notification said the
-        job succeeded and carried its result, else ``(False, None)``.
-
-        Registered before the caller's first read, so a notification that lands
-        in between is not missed."""
-        listener = self._result_listener()
-        if listener is None:
-            def sleep(seconds: float) -> tuple[bool, Any]:
-                time.sleep(seconds)
-                return False, None
-
-            yield sleep
-            return
-        wake = listener.watch(job_id)
-
-        def pause(seconds: float) -> tuple[bool, Any]:
-            wake.wait(seconds)
-            wake.clear()
-            return wake.carried()
-
-        try:
-            yield pause
-        finally:
-            listener.unwatch(job_id, wake)
+        short and :meth:`close` ends (with :class:`ClientClosed`). Entered
+        before the caller's first read, so a notification that lands in
+        between is not missed."""
+        return self._waits.watching(job_id, self._result_listener())
 
     def _result_listener(self) -> ResultListener | None:
         listen = self.listen_conninfo
@@ -972,6 +974,8 @@ class Belay(ClientSettings):
             return None
         pool = self._own_pool()  # also resets state after a fork
         with self._lock:
+            if self._waits.closed:
+                raise ClientClosed()
             if self._listener is None:
                 with pool.connection() as conn:
                     channel = self.notify_channel(conn)

@@ -23,7 +23,8 @@ _ANY: Any = object()
 
 
 def configure(url: str | None = None, **options: Any) -> Belay:
-    """Set up the default instance (replacing and closing any earlier one).
+    """Set up the default instance (replacing and closing any earlier one:
+    code still holding that one gets :class:`~belay.errors.ClientClosed`).
 
     ``url`` falls back to ``BELAY_DATABASE_URL``; ``options`` are those of :class:`Belay`.
     """

@@ -72,6 +72,23 @@ class ContractMismatch(SchemaError):
     """The database speaks a wire-contract major this belay does not know."""
 
 
+class ClientClosed(BelayError):
+    """The client (:class:`belay.Belay`, :class:`belay.aio.AsyncBelay`) was
+    closed: a wait under way on it ends with this, and so does every later
+    call that would need its own connections (it never opens them again)."""
+
+    def __init__(self, job_id: int | None = None) -> None:
+        if job_id is None:
+            message = ("this belay client was closed; create a new one (or call "
+                       "belay.configure() again) to reach the database")
+        else:
+            message = (f"the client was closed while waiting for job {job_id}; the job "
+                       "itself is unaffected: wait again on an open client")
+        super().__init__(message)
+        #: The job the closed wait was for; None for a call made after close().
+        self.job_id = job_id
+
+
 class WorkerCrashed(BelayError):
     """A worker's background service died (its heartbeat, a producer, the
     acker…): the worker stopped claiming and stopped, and ``run()`` raises

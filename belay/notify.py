@@ -5,11 +5,16 @@ reconnects on failure and hands each parsed message to a callback. The client
 uses it for result notifications (``await_result``), the worker for pokes.
 Notifications are an accelerator only: polling is the correctness floor, so a
 lost or late message costs latency, never work.
+
+A message is never a value either. ``pg_notify`` needs no privilege: any role
+that may connect can send anything on belay's channel (issue 38). So a
+message only says where to look — which job's waiters to wake, which queue's
+producer — and whoever it wakes reads the database for the answer. A forged
+message costs a read, never a wrong answer or a skipped job.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 from collections import defaultdict
@@ -19,7 +24,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from belay.codec import decode_value, loads
+from belay.codec import loads
 from belay.parts.service import Service
 from belay.sql import QUERIES
 
@@ -122,9 +127,11 @@ class ResultListener:
     def stop(self, timeout: float = 5.0) -> None:
         self._listener.stop(timeout)
 
-    def watch(self, job_id: int) -> Wake:
-        """Register before reading the job, so a notification in between is not missed."""
-        event = Wake()
+    def watch(self, job_id: int, event: threading.Event | None = None) -> threading.Event:
+        """Set ``event`` (a new one by default) on each notification about
+        ``job_id``. Register before reading the job, so a notification in
+        between is not missed."""
+        event = threading.Event() if event is None else event
         with self._lock:
             self._waiters[job_id].add(event)
         return event
@@ -138,13 +145,14 @@ class ResultListener:
                     del self._waiters[job_id]
 
     def _on_message(self, message: dict[str, Any]) -> None:
+        # Only the job id is used, to find whom to wake: the waiter reads the
+        # job's row (whatever else the message says, a state or a result, is
+        # anyone's to forge).
         job_id = about_job(message)
         if job_id is None:
             return
         with self._lock:
             for event in self._waiters.get(job_id, ()):
-                if message.get("t") == "r" and isinstance(event, Wake):
-                    event.outcome = message
                 event.set()
 
 
@@ -155,33 +163,3 @@ def about_job(message: dict[str, Any]) -> int | None:
     if message.get("t") not in ("r", "e") or not isinstance(job_id, int):
         return None
     return job_id
-
-
-def carried(outcome: dict[str, Any] | None) -> tuple[bool, Any]:
-    """``(True, result)`` when a result notification says the job succeeded
-    and carries its result; ``(False, None)`` when the row must be read."""
-    if outcome is None or outcome.get("s") != "succeeded":
-        return False, None
-    if outcome.get("n") is True:
-        return True, None
-    encoded = outcome.get("v")
-    if not isinstance(encoded, str):
-        return False, None
-    try:
-        return True, decode_value(base64.b64decode(encoded, validate=True))
-    except (ValueError, TypeError):
-        return False, None
-
-
-class Wake(threading.Event):
-    """A waiter's wake-up; ``outcome`` the last result notification (§9.2)
-    that set it, which may carry the finished job's state and result."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outcome: dict[str, Any] | None = None
-
-    def carried(self) -> tuple[bool, Any]:
-        """``(True, result)`` when the notification says the job succeeded
-        and carries its result; ``(False, None)`` when the row must be read."""
-        return carried(self.outcome)

@@ -32,6 +32,7 @@ import contextlib
 import gc
 import itertools
 import os
+import secrets
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -254,6 +255,23 @@ def db_url(server_url: str, template_db: str, pooler: PgBouncer | None) -> Itera
 def direct_url(db_url: str, server_url: str) -> str:
     """``db_url``, but straight to the server even when the suite runs pooled."""
     return url_for(server_url, psycopg.conninfo.conninfo_to_dict(db_url)["dbname"])
+
+
+@pytest.fixture
+def stranger_url(direct_url: str) -> Iterator[str]:
+    """A role of this test's own that may log in to the test database and do
+    nothing else there: no privilege on belay's tables. It can still send
+    ``pg_notify`` on belay's channel, which needs none (straight to the server)."""
+    role = f"belay_stranger_{NAME_TAG}_{next(_counter)}"
+    password = secrets.token_hex(16)
+    with psycopg.connect(direct_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+            sql.Identifier(role), sql.Literal(password)))
+    try:
+        yield psycopg.conninfo.make_conninfo(direct_url, user=role, password=password)
+    finally:
+        with psycopg.connect(direct_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
 
 
 @pytest.fixture

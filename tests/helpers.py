@@ -6,6 +6,7 @@ database operator; nothing here goes through belay's own code.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import signal
@@ -112,6 +113,21 @@ def notify(conn: Conn, payload: str) -> None:
     conn.execute("SELECT pg_notify(%s, %s)", (channel_for(conn.info.dbname), payload))
 
 
+#: The value a forger claims a job returned (issue 38's report).
+FORGED_RESULT = {"verified": True, "amount": 1e9}
+
+
+def forge_result(url: str, job_id: int, value: Any = FORGED_RESULT) -> None:
+    """As the role at ``url``, which may not read ``belay_jobs``, send a result
+    notification saying job ``job_id`` succeeded with ``value``, shaped as
+    belay's batched ack shapes its own (§9.2): ``pg_notify`` needs no privilege."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        refused = conn.execute("SELECT NOT has_table_privilege('belay_jobs', 'SELECT')")
+        assert refused.fetchone() == (True,), "the forger may read belay_jobs"
+        envelope = base64.b64encode(json.dumps(value).encode()).decode()
+        notify(conn, json.dumps({"t": "r", "id": job_id, "s": "succeeded", "v": envelope}))
+
+
 class Notifications:
     """A LISTEN connection of its own, as another process would hold it."""
 
@@ -152,6 +168,17 @@ def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 5.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
         time.sleep(0.01)
+
+
+def other_sessions(conn: Conn) -> list[tuple[int, str]]:
+    """The client sessions on ``conn``'s database besides ``conn``'s own
+    (autovacuum's come and go): (pid, application_name) each."""
+    rows = conn.execute(
+        "SELECT pid, application_name FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+        "AND backend_type = 'client backend' ORDER BY pid"
+    ).fetchall()
+    return [(int(pid), str(name)) for pid, name in rows]
 
 
 def advisory_waiters(conn: Conn) -> int:

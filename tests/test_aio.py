@@ -10,6 +10,7 @@ import asyncio
 import base64
 import json
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -20,7 +21,16 @@ import belay
 import belay.aio
 from belay.aio import AsyncBelay
 from tests.conftest import POOLED
-from tests.helpers import Notifications, count_jobs, notify, running_job
+from tests.helpers import (
+    FORGED_RESULT,
+    Notifications,
+    count_jobs,
+    forge_result,
+    notify,
+    other_sessions,
+    running_job,
+    wait_until,
+)
 
 T = TypeVar("T")
 
@@ -225,25 +235,105 @@ async def _failure(waiting: Awaitable[Any]) -> BaseException | None:
     return None
 
 
+async def until(predicate: Callable[[], Any], what: str, timeout: float = 15) -> None:
+    """Let the loop run until ``predicate()`` holds (a task got that far)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        await asyncio.sleep(0.01)
+
+
+def count_reads(client: AsyncBelay, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the client's ``get_job`` calls (a waiter's reads of its job) in
+    the one-item list returned."""
+    reads = [0]
+    real = client.get_job
+
+    async def get_job(job_id: int, **kwargs: Any) -> Any:
+        found = await real(job_id, **kwargs)
+        reads[0] += 1
+        return found
+
+    monkeypatch.setattr(client, "get_job", get_job)
+    return reads
+
+
+def listening(client: AsyncBelay) -> bool:
+    results = client._waits._results
+    return results is not None and results.listening.is_set()
+
+
 @pytest.mark.direct_only
-def test_await_result_is_woken_by_the_notification_that_carries_the_result(
-        db_url, direct_url, sql_conn):
-    """The row stays ``running``: only the notification can end the wait."""
+def test_a_notification_carrying_a_result_only_wakes_the_waiter(
+        db_url, direct_url, sql_conn, monkeypatch):
+    """A result notification may carry the result (§9.2); the waiter it wakes
+    returns the row's all the same (issue 38: anyone may pg_notify)."""
     job_id = running_job(sql_conn)
     envelope = base64.b64encode(b'{"answer": 42}').decode()
+    # No polling between reads: only the notification ends the wait.
+    monkeypatch.setattr(belay.aio, "_bounded", lambda interval, deadline: 30.0)
 
     async def main() -> Any:
         async with aclient(db_url, direct_url) as client:
+            reads = count_reads(client, monkeypatch)
             waiting = asyncio.ensure_future(client.await_result(job_id, timeout=30))
-            results = client._waits._results
-            while results is None or not results.listening.is_set():
-                await asyncio.sleep(0.01)
-                results = client._waits._results
-            notify(sql_conn, json.dumps({"t": "r", "id": job_id, "s": "succeeded",
-                                         "v": envelope}))
-            return await waiting
+            await until(lambda: reads[0] >= 1 and listening(client), "the waiter listens")
+            with sql_conn.transaction():
+                sql_conn.execute("UPDATE belay_jobs SET state = 'succeeded', result = %s "
+                                 "WHERE id = %s", (b'"from the row"', job_id))
+                notify(sql_conn, json.dumps({"t": "r", "id": job_id, "s": "succeeded",
+                                             "v": envelope}))
+            return await asyncio.wait_for(waiting, 30)
 
-    assert arun(main) == {"answer": 42}
+    assert arun(main) == "from the row"
+
+
+def test_a_forged_result_notification_only_wakes_the_waiter(
+        db_url, direct_url, stranger_url, monkeypatch):
+    """Issue 38: a role refused SELECT on belay_jobs sends a result
+    notification saying a ready job succeeded with a value of its choosing.
+    The waiter reads the row, sees the job still ready and waits on; when the
+    job really finishes, the row's result is what comes back."""
+    reg = belay.Registry()
+
+    @belay.worker(name="t.audit", registry=reg)
+    def audit(ctx: belay.Context) -> dict[str, Any]:
+        return {"verified": False, "amount": 3}
+
+    def run_it_for_real() -> dict[str, int]:
+        with belay.Belay(db_url) as sync:
+            return belay.Worker(["default"], client=sync, registry=reg, notify=True).drain()
+
+    # No polling between reads: only a notification ends a pause, so each
+    # read after the first is the answer to one.
+    monkeypatch.setattr(belay.aio, "_bounded", lambda interval, deadline: 30.0)
+
+    async def main() -> Any:
+        async with aclient(db_url, direct_url, registry=reg) as client:
+            job = await client.enqueue("t.audit")  # no worker runs: it stays ready
+            reads = count_reads(client, monkeypatch)
+            waiting = asyncio.ensure_future(client.await_result(job.id, timeout=60))
+            await until(lambda: reads[0] >= 1 and listening(client), "the waiter listens")
+
+            await asyncio.to_thread(forge_result, stranger_url, job.id)
+
+            await until(lambda: reads[0] >= 2 or waiting.done(),
+                        "the waiter answers the forged wake-up")
+            assert not waiting.done(), (
+                f"await_result ended on a forged notification: {await _outcome(waiting)!r}")
+            assert (await client.get_job(job.id)).state == "ready"  # type: ignore[union-attr]
+            assert await asyncio.to_thread(run_it_for_real) == {"succeeded": 1}
+            return await asyncio.wait_for(waiting, 30)
+
+    assert arun(main) == {"verified": False, "amount": 3} != FORGED_RESULT
+
+
+async def _outcome(task: Awaitable[Any]) -> Any:
+    try:
+        return await task
+    except BaseException as exc:
+        return exc
 
 
 def test_await_result_times_out_and_names_the_state(db_url, direct_url):
@@ -409,3 +499,45 @@ def test_many_concurrent_enqueues_share_the_pool(db_url, direct_url):
     assert len({j.id for j in jobs}) == 200
     assert sorted(j.input["n"] for j in jobs) == list(range(200))
     assert count_jobs_sync(direct_url) == 200
+
+
+@pytest.mark.direct_only
+@pytest.mark.parametrize("notify_on", [True, False], ids=["listening", "polling"])
+def test_close_ends_the_waits_under_way_and_leaves_no_connection(
+        db_url, sql_conn, monkeypatch, notify_on):
+    """close() while one task waits in await_result and one follows
+    subscribe_events: both end at once with ClientClosed, later calls raise it
+    instead of opening the pool again, and no session of the client's
+    outlives asyncio.run."""
+
+    async def main() -> None:
+        client = AsyncBelay(db_url, notify=notify_on)
+        job = await client.enqueue("t.nobody_runs_this")
+        reads = count_reads(client, monkeypatch)
+
+        async def follow() -> list[Any]:
+            return [e async for e in client.subscribe_events(job.id, timeout=60)]
+
+        waits = {asyncio.ensure_future(client.await_result(job.id, timeout=60)),
+                 asyncio.ensure_future(follow())}
+        await until(lambda: reads[0] >= 2, "both waits watch the job")
+
+        await client.close()
+
+        done, pending = await asyncio.wait(waits, timeout=10)
+        assert not pending, "a wait outlived close()"
+        for task in done:
+            error = task.exception()
+            assert isinstance(error, belay.ClientClosed), error
+            assert f"closed while waiting for job {job.id}" in str(error)
+        with pytest.raises(belay.ClientClosed, match="was closed"):
+            await client.get_job(job.id)
+        with pytest.raises(belay.ClientClosed, match="was closed"):
+            await client.await_result(job.id, timeout=1)
+        # A connection of the caller's is not the client's to refuse.
+        async with await psycopg.AsyncConnection.connect(db_url) as conn:
+            assert (await client.get_job(job.id, conn=conn)).state == "ready"  # type: ignore[union-attr]
+        await client.close()  # still idempotent
+
+    arun(main)
+    wait_until(lambda: other_sessions(sql_conn) == [], "the client's sessions end", timeout=10)

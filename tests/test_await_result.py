@@ -20,13 +20,16 @@ from psycopg.types.json import Jsonb
 import belay
 from belay.notify import ResultListener
 from tests.helpers import (
+    FORGED_RESULT,
     START,
     VECTORS_PATH,
     Conn,
     channel_for,
+    forge_result,
     from_expected,
     insert_job,
     notify,
+    other_sessions,
     wait_until,
 )
 
@@ -57,6 +60,8 @@ class Waiter:
     def __init__(self, client: belay.Belay, job_id: int, timeout: float = 10) -> None:
         self.value: Any = None
         self.error: BaseException | None = None
+        #: Set when await_result has returned or raised.
+        self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(client, job_id, timeout))
         self.thread.start()
 
@@ -65,6 +70,8 @@ class Waiter:
             self.value = client.await_result(job_id, timeout=timeout)
         except BaseException as exc:
             self.error = exc
+        finally:
+            self.done.set()
 
     def outcome(self) -> Any:
         self.thread.join(15)
@@ -72,6 +79,29 @@ class Waiter:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+class Reads:
+    """Counts a client's ``get_job`` calls: a waiter's reads of its job."""
+
+    def __init__(self, client: belay.Belay, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        self._changed = threading.Condition()
+        real = client.get_job
+
+        def get_job(job_id: int, **kwargs: Any) -> Any:
+            found = real(job_id, **kwargs)
+            with self._changed:
+                self.count += 1
+                self._changed.notify_all()
+            return found
+
+        monkeypatch.setattr(client, "get_job", get_job)
+
+    def wait_for(self, count: int, timeout: float = 15) -> None:
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.count >= count, timeout), (
+                f"{self.count} read(s) of the job, not {count}")
 
 
 # -- finished jobs -----------------------------------------------------------------------------
@@ -239,45 +269,68 @@ def test_a_job_finishing_during_the_wait_returns_its_result(
         assert dispatched == []
 
 
-@pytest.mark.parametrize(("result", "carried"), [
-    (b'{"done": true}', True),
-    (None, True),                          # "no result" is carried too
-    (b'"' + b"x" * 4000 + b'"', False),   # too large to carry: the row is read
-], ids=["small", "none", "large"])
-def test_a_batched_ack_notification_carries_the_result(
-    client, db_url, sql_conn, monkeypatch, result, carried
+@pytest.mark.parametrize("result", [b'{"done": true}', None, b'"' + b"x" * 4000 + b'"'],
+                         ids=["small", "none", "large"])
+def test_await_result_returns_the_row_not_what_a_batched_ack_notification_carries(
+    client, db_url, sql_conn, monkeypatch, result
 ) -> None:
-    """The batched ack's notification (§9.2, belay's addition) carries a
-    small result: await_result returns it without reading the row again. To
-    tell the two apart, the row's result is overwritten in the ack's own
-    transaction, after the notification was queued with the acked one."""
+    """The batched ack's notification (§9.2) may carry the job's result; it
+    only wakes the waiter, which returns the row's (issue 38: anyone may
+    pg_notify). To tell the two apart, the row's result is overwritten in the
+    ack's own transaction, after the notification was queued with the acked one."""
     job = insert_job(sql_conn, state="running", attempt=1, leased_by="node-a")
     listener = client._result_listener()
     assert listener.listening.wait(5)
-    read = threading.Event()
-    real_get = client.get_job
-
-    def get_job(job_id: int, **kwargs: Any) -> Any:
-        found = real_get(job_id, **kwargs)
-        read.set()
-        return found
-
-    monkeypatch.setattr(client, "get_job", get_job)
+    reads = Reads(client, monkeypatch)
     # No polling between reads: only the notification ends the wait.
     monkeypatch.setattr(belay.client, "_bounded", lambda interval, deadline: 30.0)
     waiter = Waiter(client, job)
-    # Its first read saw the job running.
-    assert read.wait(10)
+    reads.wait_for(1)  # its first read saw the job running
     claimed = belay.Job.from_row(
         {"id": job, "kind": "k", "queue": "default", "state": "running", "attempt": 1})
     with psycopg.connect(db_url, autocommit=True) as conn, conn.transaction():
         assert belay.store.ack_succeeded_many(conn, [(claimed, result)], START,
                                               channel_for(conn.info.dbname)) == {job}
         conn.execute("UPDATE belay_jobs SET result = %s WHERE id = %s", (b'"the row"', job))
-    if carried:
-        assert waiter.outcome() == (None if result is None else json.loads(result))
-    else:
-        assert waiter.outcome() == "the row"
+    assert waiter.outcome() == "the row"
+    assert reads.count == 2
+
+
+def test_a_forged_result_notification_only_wakes_the_waiter(
+    client, sql_conn, stranger_url, monkeypatch
+) -> None:
+    """Issue 38: pg_notify needs no privilege, so a role refused SELECT on
+    belay_jobs can send a result notification saying a ready job succeeded
+    with any value. It only wakes the waiter: the waiter reads the row, sees
+    the job still ready and waits on; when the job really finishes, the
+    row's result is what comes back."""
+    reg = belay.Registry()
+
+    @belay.worker(name="t.audit", registry=reg)
+    def audit(ctx: belay.Context) -> dict[str, Any]:
+        return {"verified": False, "amount": 3}
+
+    job = client.enqueue("t.audit").id  # no worker runs: it stays ready
+    listener = client._result_listener()
+    assert listener is not None and listener.listening.wait(5)
+    reads = Reads(client, monkeypatch)
+    # No polling between reads: only a notification ends a pause, so each
+    # read after the first is the answer to one.
+    monkeypatch.setattr(belay.client, "_bounded", lambda interval, deadline: 30.0)
+    waiter = Waiter(client, job, timeout=60)
+    reads.wait_for(1)  # watching, and the job read ready once
+
+    forge_result(stranger_url, job)
+
+    wait_until(lambda: reads.count >= 2 or waiter.done.is_set(),
+               "the waiter answers the forged wake-up", timeout=15)
+    assert not waiter.done.is_set(), (
+        f"await_result ended on a forged notification: {waiter.value!r} {waiter.error!r}")
+    assert client.get_job(job).state == "ready"  # type: ignore[union-attr]
+    # Now for real: a worker runs it and its ack notifies.
+    drained = belay.Worker(["default"], client=client, registry=reg, notify=True).drain()
+    assert drained == {"succeeded": 1}
+    assert waiter.outcome() == {"verified": False, "amount": 3} != FORGED_RESULT
 
 
 def test_a_notification_that_says_less_falls_back_to_the_row(client, db_url, sql_conn) -> None:
@@ -481,3 +534,54 @@ def test_await_result_starts_one_listener_lazily(client, sql_conn, new_listener_
     client.await_result(job, timeout=5)
     client.await_result(job, timeout=5)
     assert len(new_listener_threads()) == 1
+
+
+# -- closing the client (issue 38) ------------------------------------------------------------
+
+
+@pytest.mark.direct_only
+@pytest.mark.parametrize("notify_on", [True, False], ids=["listening", "polling"])
+def test_close_ends_the_waits_under_way_and_leaves_no_connection(
+    db_url, sql_conn, monkeypatch, notify_on
+) -> None:
+    """Another thread closes the client while one waits in await_result and
+    one follows subscribe_events: both end at once with ClientClosed, later
+    calls raise it instead of opening the pool again, and no session of the
+    client's outlives it."""
+    job = insert_job(sql_conn, state="ready")
+    instance = belay.Belay(db_url, notify=notify_on)
+    reads = Reads(instance, monkeypatch)
+    waiter = Waiter(instance, job, timeout=60)
+    followed: list[Any] = []
+
+    def follow() -> None:
+        try:
+            followed.extend(instance.subscribe_events(job, timeout=60))
+        except BaseException as exc:
+            followed.append(exc)
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    reads.wait_for(2)  # both watch the job and have read it once
+    assert other_sessions(sql_conn) != []
+
+    instance.close()
+
+    waiter.thread.join(10)
+    follower.join(10)
+    assert not waiter.thread.is_alive() and not follower.is_alive(), (
+        "a wait outlived close()")
+    assert isinstance(waiter.error, belay.ClientClosed), waiter.error
+    assert f"closed while waiting for job {job}" in str(waiter.error)
+    assert len(followed) == 1 and isinstance(followed[0], belay.ClientClosed), followed
+    assert f"closed while waiting for job {job}" in str(followed[0])
+    with pytest.raises(belay.ClientClosed, match="was closed"):
+        instance.get_job(job)
+    with pytest.raises(belay.ClientClosed, match="was closed"):
+        instance.await_result(job, timeout=1)
+    # A connection of the caller's is not the client's to refuse.
+    with psycopg.connect(db_url) as conn:
+        assert instance.get_job(job, conn=conn).state == "ready"  # type: ignore[union-attr]
+    instance.close()  # still idempotent
+    wait_until(lambda: other_sessions(sql_conn) == [], "the client's sessions end",
+               timeout=10)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
+import psycopg
+
 import belay
 import belay.testing
+from tests.helpers import forge_result, notify, wait_until
 
 
 def test_subscribe_follows_a_running_job_to_its_end(db_url):
@@ -79,3 +83,27 @@ def test_a_quiet_worker_announces_nothing(client, notes):
     client.enqueue("t.quiet")
     belay.Worker(["default"], client=client, registry=reg).drain()
     assert [m for m in notes.received() if m.get("t") == "e"] == []
+
+
+def test_forged_notifications_add_no_event_and_end_nothing(client, stranger_url):
+    """Issue 38: a role that may not read belay's tables sends an event and a
+    result notification about a ready job. They only wake the follower, which
+    reads the events table: nothing is yielded, and it follows on to its
+    timeout (the job is not terminal)."""
+    job = client.enqueue("t.nobody_runs_this")
+    followed: list[Any] = []
+    follower = threading.Thread(
+        target=lambda: followed.extend(client.subscribe_events(job.id, timeout=3)))
+    follower.start()
+    try:
+        wait_until(lambda: client._listener is not None
+                   and job.id in client._listener._waiters, "the follower watches the job")
+        with psycopg.connect(stranger_url, autocommit=True) as stranger:
+            notify(stranger, json.dumps({"t": "e", "id": job.id, "seq": 1,
+                                         "payload": {"forged": True}}))
+        forge_result(stranger_url, job.id)
+    finally:
+        follower.join(15)
+    assert not follower.is_alive()
+    assert followed == []
+    assert client.get_job(job.id).state == "ready"

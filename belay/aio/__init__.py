@@ -32,7 +32,7 @@ from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolClosed
 
 from belay import connect, names, plans
 from belay.aio.driver import AConn, borrow, check_django_atomic, register_connection_adapter, run
@@ -55,7 +55,7 @@ from belay.client import (
 from belay.clock import Clock
 from belay.defaults import url_or_env
 from belay.enqueue import JobSpec, Row, Unique, spec_from
-from belay.errors import ConfigurationError, JobNotFound, NotRetryable
+from belay.errors import ClientClosed, ConfigurationError, JobNotFound, NotRetryable
 from belay.job import Event, Job
 from belay.registry import Registry
 from belay.schema import SchemaStatus
@@ -130,10 +130,14 @@ class AsyncBelay(ClientSettings):
 
     async def _own_pool(self) -> AsyncConnectionPool[AConn]:
         self._own_loop()
+        if self._waits.closed:
+            raise ClientClosed()
         if self._pool is not None:
             return self._pool
         assert self._opening is not None
         async with self._opening:
+            if self._waits.closed:
+                raise ClientClosed()
             if self._pool is None:
                 # One direct connection first: a wrong URL or a down server
                 # raises its real error now, and the schema check rides on it.
@@ -147,6 +151,10 @@ class AsyncBelay(ClientSettings):
                     kwargs={"autocommit": True, "application_name": self._application_name,
                             **connect.options(self.pooler)})
                 await pool.open(wait=False)
+                if self._waits.closed:
+                    # close() ran while this one was being opened: nothing keeps it.
+                    await pool.close()
+                    raise ClientClosed()
                 self._pool = pool
         return self._pool
 
@@ -154,8 +162,14 @@ class AsyncBelay(ClientSettings):
     async def _acquire(self, conn: Any) -> AsyncIterator[AConn]:
         if conn is None:
             pool = await self._own_pool()
-            async with pool.connection() as own:
-                yield own
+            try:
+                async with pool.connection() as own:
+                    yield own
+            except PoolClosed:
+                # close() in another task, after _own_pool() handed the pool out.
+                if self._waits.closed:
+                    raise ClientClosed() from None
+                raise
             return
         self._own_loop()
         active = await borrow(conn)
@@ -207,9 +221,14 @@ class AsyncBelay(ClientSettings):
             await run(conn, plans.notify(await self._notify_channel(conn), payloads))
 
     async def close(self) -> None:
-        """Close the pool and stop the LISTEN task; idempotent."""
+        """Close the pool and stop the LISTEN task; idempotent.
+
+        For good: waits under way in other tasks (``await_result``,
+        ``subscribe_events``) end at once with :class:`~belay.errors.ClientClosed`,
+        and so does every later call that would need the pool (a call on a
+        connection of yours, ``conn=``, still runs on it)."""
+        await self._waits.close()
         pool, self._pool = self._pool, None
-        await self._waits.stop()
         if pool is not None:
             await pool.close()
 
@@ -325,7 +344,8 @@ class AsyncBelay(ClientSettings):
         """Yield a job's events live, from after seq ``after``, until the job is
         terminal and every event is out (or ``timeout`` seconds pass). A
         reconnecting consumer that passes the last seq it saw loses and
-        repeats nothing; a notification ends each wait at once."""
+        repeats nothing; a notification ends each wait at once (the events
+        are then read), and closing the client ends it with ClientClosed."""
         job_id = _job_id(job_id)
         check_events_page(after, None)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -352,8 +372,9 @@ class AsyncBelay(ClientSettings):
     async def await_result(self, job_id: int, timeout: float | None = None) -> Any:
         """Wait for a job to finish and return its decoded result: JobFailed or
         JobCancelled when it ends that way, TimeoutError after ``timeout``
-        seconds. Woken by the job's result notification (which may carry the
-        result); without notifications, re-reads on a 5 → 50 ms backoff."""
+        seconds, ClientClosed when the client is closed meanwhile. Woken by
+        the job's result notification, re-reads on a 5 → 50 ms backoff; the
+        result is always the row's, never what a notification says."""
         job_id = _job_id(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = 0.005
@@ -367,9 +388,9 @@ class AsyncBelay(ClientSettings):
                 wait = _bounded(interval, deadline)
                 if wait is None:
                     raise TimeoutError(f"job {job_id} is still {job.state} after {timeout} s")
-                was_carried, result = await pause(wait)
-                if was_carried:
-                    return result
+                # A notification only cuts the pause short: the row, read
+                # next, is the answer (anyone may send one, issue 38).
+                await pause(wait)
                 interval = min(interval * 1.5, 0.05)
 
     async def _channel_of_pool(self) -> str:
