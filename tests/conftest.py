@@ -136,6 +136,7 @@ HEAVY_TESTS = frozenset({  # module::function (every parametrization of it)
     "test_steps.py::test_kill_9_mid_loop_replays_committed_steps_and_pays_once",
     "test_outcome.py::test_a_cyclic_result_with_a_big_integer_is_a_bad_result_not_a_hang",
     "test_outcome.py::test_a_deeply_nested_result_with_a_big_integer_is_a_bad_result",
+    "test_handbacks.py::test_a_job_that_kills_its_executor_every_time_fails_within_the_bound",
 })
 
 
