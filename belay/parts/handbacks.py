@@ -61,8 +61,8 @@ def failure_message(job: Job) -> str:
     """The ``message`` of the loss that fails the attempt: a ``format()``
     template the statement fills with the count and the executors."""
     return (f"attempt {job.attempt} lost its executor %s times (%s): the job may be what "
-            "kills it (a crash in native code, os._exit, out of memory) — see those "
-            "executors' logs; the attempt is failed so it can't run forever")
+            "kills it (a crash in native code, os._exit, running out of memory), so the "
+            "attempt failed; those executors' logs say how they ended")
 
 
 def give_back_plan(job: Job, executor: str, why: str, now: datetime, retry_at: datetime,
