@@ -279,6 +279,32 @@ def test_two_servers_handing_back_one_row_count_it_once(
     assert [e.get("lost") for e in row["errors"]] == [None, None, 3, None, None, 3]
 
 
+@pytest.mark.parametrize("foreign", [
+    [{"error": "executor_lost", "attempt": "1"}, "x", 7, {"attempt": 1}, None],
+    {"not": "a list"},
+])
+def test_entries_of_another_shape_are_not_counted_and_break_nothing(
+        client: belay.Belay, sql_conn: psycopg.Connection[Any], foreign: Any) -> None:
+    """The errors column is shared with other implementations: entries belay
+    didn't write (an attempt as a string, no executor, not an object — or no
+    array at all) are skipped by the count instead of failing the hand-back,
+    which would leave the job to lease expiry."""
+    job_id = insert_job(sql_conn, kind="sock.t", state="running", attempt=1,
+                        leased_by="node-a", errors=foreign)
+    records = Records(client, None)
+    for losses in range(1, EXECUTOR_LOSSES + 1):
+        job = client.get_job(job_id)
+        assert records.hand_back(Execution(job, None, None), "node-a", "gone") == 1
+        row = job_row(sql_conn, job_id)
+        if losses < EXECUTOR_LOSSES:
+            assert (row["state"], row["attempt"]) == ("ready", 0), row
+            sql_conn.execute("UPDATE belay_jobs SET state = 'running', attempt = 1, "
+                             "leased_by = 'node-a' WHERE id = %s", (job_id,))
+    assert (row["state"], row["attempt"]) == ("ready", 1), row
+    assert row["errors"][-1]["lost"] == EXECUTOR_LOSSES
+    assert row["errors"][-1]["executors"] == ["node-a"] * EXECUTOR_LOSSES
+
+
 def hand_back(records: Records, job: belay.Job, written: list[int], n: int) -> None:
     """Server ``n``'s hand-back of ``job``, leased to node-a; 1 in ``written[n]`` if it wrote."""
     written[n] = records.hand_back(Execution(job, None, None, node="node-a"), "node-a",
