@@ -138,6 +138,7 @@ HEAVY_TESTS = frozenset({  # module::function (every parametrization of it)
     "test_outcome.py::test_a_cyclic_result_with_a_big_integer_is_a_bad_result_not_a_hang",
     "test_outcome.py::test_a_deeply_nested_result_with_a_big_integer_is_a_bad_result",
     "test_authority_threads.py::test_in_a_child_process_a_thread_that_lost_the_job_is_refused_too",
+    "test_handbacks.py::test_a_job_that_kills_its_executor_every_time_fails_within_the_bound",
 })
 
 

@@ -562,6 +562,25 @@ def test_close_ends_the_session(http: TestClient, sessions: WorkerSessions) -> N
     assert answer.status_code == 401
 
 
+def test_a_session_closed_with_a_job_in_flight_uses_its_attempt(
+        sessions: WorkerSessions, client: belay.Belay, clock: ManualClock,
+        sql_conn: psycopg.Connection[Any]) -> None:
+    """Issue 38's class, on HTTP: a session that goes (DELETE, or expiry, above)
+    hands nothing back for free — its lease lapses and reclaim uses the
+    attempt, so a job that kills every HTTP worker it runs on is bounded by
+    its max_attempts like any job (a guard: this held on 845be33 too)."""
+    job = client.enqueue("t", {}, max_attempts=1)
+    token = sessions.register("r", ["t"], 1)
+    assert sessions.claim(token, "default", 0) is not None
+    sessions.close(token)
+    clock.advance(31)
+    sessions.tick()  # nothing renews it any more
+    assert sessions.reclaim() == 1
+    row = job_row(sql_conn, job.id)
+    assert (row["state"], row["attempt"]) == ("failed", 1)
+    assert [e["error"] for e in row["errors"]] == ["lease_expired"]
+
+
 def test_stop_joins_the_heartbeat(client: belay.Belay) -> None:
     s = WorkerSessions(client)
     s.register("r", ["t"], 1)

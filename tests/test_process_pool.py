@@ -121,6 +121,19 @@ def test_a_child_killed_mid_job_fails_that_attempt(
     assert [(e.job.attempt, e.outcome) for e in ends.events] == [(1, "retry"), (2, "succeeded")]
 
 
+def test_a_job_running_when_the_pool_stops_goes_back_uncounted(
+        real_client: belay.Belay, sql_conn: psycopg.Connection[Any]) -> None:
+    """Past the shutdown grace the pool stops its child: not the job's doing,
+    so no attempt used and no executor loss recorded (belay.parts.handbacks
+    counts only executors lost while the worker runs)."""
+    job_id = real_client.enqueue("pool.block", {}).id
+    with pool(real_client, processes=1) as worker:
+        wait_until(lambda: real_client.events(job_id), "the job to start", 20)
+        worker.stop(grace=0.1)
+    row = job_row(sql_conn, job_id)
+    assert (row["state"], row["attempt"], row["errors"]) == ("ready", 0, [])
+
+
 def test_a_parked_job_resumes_in_a_child(real_client: belay.Belay,
                                          sql_conn: psycopg.Connection[Any]) -> None:
     job_id = real_client.enqueue("pool.await", {}).id

@@ -268,15 +268,21 @@ class ProcessPool:
     def disconnected(self, runtime_id: str, executions: list[Execution]) -> list[Execution]:
         """A child's connection closed with ``executions`` in flight: when the
         child died (not stopped by the pool), each attempt fails with its exit
-        status; returns the executions to give back without using an attempt."""
+        status; when the pool stopped or killed it, each goes back uncounted.
+        Returns the executions for the server to hand back, counted (a child
+        alive whose connection went: :mod:`belay.parts.handbacks`)."""
         with self._lock:
             child = self._children.get(runtime_id)
         if child is None or self._stopping or child.killed is not None:
-            return executions
+            # Stopping (the pool forgets its children first) or killed for
+            # another job's timeout or cancel: not this job's doing.
+            for execution in executions:
+                self.server.records.hand_back(execution, None, "the pool stopped its child")
+            return []
         try:
             code = child.process.wait(2.0)
         except subprocess.TimeoutExpired:
-            return executions  # alive, only its connection went: an interruption
+            return executions  # alive, only its connection went: counted
         for execution in executions:
             job = execution.job
             definition = self.registry.get(job.kind)

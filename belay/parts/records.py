@@ -1,7 +1,7 @@
 """How the executor server records what happens to the jobs it hands out: the
 fenced acks and parks, the job hooks, and where a kind's timeout and backoff
 come from. Shared by the server's requests, its timeouts and cancels, and
-the process pool (a child that died)."""
+the process pool (a child that died), and the hand-backs of executors lost."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from belay.client import Belay
 from belay.errors import BelayError
 from belay.job import Job
 from belay.outcome import Outcome, retry_or_fail
+from belay.parts import handbacks
 from belay.parts.completer import ack_on
 from belay.parts.execution import Execution
 from belay.parts.hooks import Hooks
@@ -90,7 +91,9 @@ class Records:
             ack_on(conn, job, outcome, now, self.announce)
 
     def give_back(self, job: Job) -> int:
-        """Snooze the claimed attempt back, due now: not an attempt used."""
+        """Snooze the claimed attempt back, due now, uncounted: for a job no
+        executor ran (its connection closed before the send) and for the
+        worker's own stop — neither can be the job's doing."""
         now = self.client.clock.now()
         try:
             with self.client.connection() as conn:
@@ -100,3 +103,28 @@ class Records:
                         "retries it", job.id, exc_info=True)
             return 0
         return 0 if acked is None else 1
+
+    def hand_back(self, execution: Execution, executor: str | None, why: str) -> int:
+        """``executor``, the node running ``execution``, was lost (``why``): a
+        counted hand-back (:mod:`belay.parts.handbacks`) — a snooze, or at the
+        bound a failed attempt; None (the worker stops): :meth:`give_back`.
+        The ``on_job_end`` hooks are told. 1 when written."""
+        job = execution.job
+        if executor is None:
+            back = self.give_back(job)
+            self.ended(execution, "lost")
+            return back
+        now = self.client.clock.now()
+        try:
+            with self.client.connection() as conn:
+                handed = handbacks.give_back(conn, job, executor, why, now, self.backoff(job),
+                                             self.announce)
+        except (psycopg.Error, BelayError):
+            log.warning("belay: giving job %d back failed; its lease lapses and reclaim "
+                        "retries it", job.id, exc_info=True)
+            handed = None
+        if handed is None or handed[0] == "snooze":
+            self.ended(execution, "lost")
+        else:
+            self.ended(execution, handed[0], handed[1].job.errors[-1])
+        return 0 if handed is None else 1

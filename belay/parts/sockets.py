@@ -21,9 +21,9 @@ executor connected on the socket that registered its task:
    operator's cancel request — the job is then cancelled here at once, and a
    later report of that execution is stale.
 
-A connection that closes — or sends a broken frame, which closes it — gives
-its in-flight jobs back at once without using an attempt (a snooze): an
-infrastructure interruption, not the job's failure. Other connections are
+A connection that closes (or sends a broken frame, stops reading…) hands its
+in-flight jobs back at once, counted (:mod:`~belay.parts.handbacks`): a snooze
+until an attempt's third loss, which fails the attempt. Other connections are
 untouched. Producer requests (``enqueue``, ``status``…) are not served on the
 socket: use the client or the HTTP API.
 """
@@ -102,8 +102,8 @@ class Callbacks:
     #: ``on_cancel(runtime_id, job_id, reason)``: after ``cancel_execution``
     #: went to an executor (the process pool kills that child).
     on_cancel: Callable[[str, int, str], None] | None = None
-    #: ``on_disconnect(runtime_id, executions)`` → the ones still to give back
-    #: (the process pool fails the attempt of a child that died instead).
+    #: ``on_disconnect(runtime_id, executions)`` → the ones still to hand back,
+    #: counted (the process pool fails the attempt of a child that died instead).
     on_disconnect: Callable[[str, list[Execution]], list[Execution]] | None = None
     #: ``on_connect(runtime_id)``: after an executor's hello was accepted.
     on_connect: Callable[[str], None] | None = None
@@ -233,7 +233,7 @@ class ExecutorServer:
         with self._lock:
             connections = list(self._connections.values())
         for connection in connections:
-            self._close(connection, "the worker is stopping")
+            self._close(connection, "the worker is stopping", lost=False)
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -334,8 +334,8 @@ class ExecutorServer:
         finally:
             self._close(connection, why)
 
-    def _close(self, connection: _Connection, why: str) -> None:
-        """Close once; give its in-flight jobs back without using an attempt."""
+    def _close(self, connection: _Connection, why: str, *, lost: bool = True) -> None:
+        """Close once; hand its in-flight jobs back, counted unless not ``lost``."""
         with self._lock:
             if connection.closed:
                 return
@@ -356,8 +356,7 @@ class ExecutorServer:
             ours = self.callbacks.on_disconnect(connection.runtime_id, ours)
         back = 0
         for execution in ours:
-            back += self.records.give_back(execution.job)
-            self.records.ended(execution, "lost")
+            back += self.records.hand_back(execution, connection.node_id if lost else None, why)
         if connection.runtime_id:
             log.info("belay: executor %s disconnected (%s); %d job(s) back to their queues",
                      connection.node_id, why, back)
@@ -509,7 +508,7 @@ class ExecutorServer:
         if not ok:
             self._forget(connection, execution_id)
             if execution.end(LOST):
-                self.records.give_back(job)
+                self.records.hand_back(execution, connection.node_id, "a send to it failed")
             self._close(connection, "a send to it timed out or failed (it stopped reading)")
             return 0
         return 1

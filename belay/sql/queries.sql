@@ -720,6 +720,62 @@ SET state = 'cancelled', finished_at = %(now)s, lease_until = NULL, leased_by = 
 WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s AND cancel_requested
 RETURNING {job_columns};
 
+-- name: give_back
+-- A claimed attempt handed back because the executor running it was lost (it
+-- closed, died, sent a broken frame or stopped reading): issue 38. Each
+-- hand-back is an errors entry (%(entry)s: {"error": "executor_lost",
+-- "attempt": n, "executor": <node>, ...}); the claimed attempt's entries are
+-- counted here, on the row this statement locks, so two servers handing back
+-- one row can't lose a count: the second finds state, attempt or leased_by
+-- moved and is fenced out. leased_by is in the fence because a snooze puts
+-- the attempt back down: once re-claimed, the row has the same attempt again.
+-- Below %(limit)s losses it is a snooze due now (the attempt goes back down,
+-- as in ack_snooze); the loss that reaches it fails the attempt (retried at
+-- %(retry_at)s, or failed once the attempts are used up), its entry naming
+-- the count and the executors (%(message)s a format() of the two). A cancel
+-- requested meanwhile ends it cancelled. jsonpath's lax mode skips entries
+-- of another shape (a foreign implementation's) instead of raising.
+WITH held AS (
+  SELECT id AS held_id, cancel_requested AS cancelling, attempt >= max_attempts AS spent,
+         jsonb_array_length(jsonb_path_query_array(
+           errors, '$[*] ? (@.error == "executor_lost" && @.attempt == $n)',
+           jsonb_build_object('n', attempt))) + 1 AS lost,
+         jsonb_path_query_array(
+           errors, '$[*] ? (@.error == "executor_lost" && @.attempt == $n).executor',
+           jsonb_build_object('n', attempt)) || to_jsonb(%(node)s::text) AS executors
+  FROM belay_jobs
+  WHERE id = %(id)s AND state = 'running' AND attempt = %(attempt)s
+    AND leased_by = %(node)s
+  FOR UPDATE
+), decided AS (
+  SELECT held_id, lost, executors,
+         CASE WHEN cancelling THEN 'cancelled'
+              WHEN lost < %(limit)s THEN 'snooze'
+              WHEN spent THEN 'failed'
+              ELSE 'retry' END AS handed_back
+  FROM held
+)
+UPDATE belay_jobs AS j
+SET state = CASE WHEN d.handed_back IN ('snooze', 'retry') THEN 'ready' ELSE d.handed_back END,
+    ready_at = CASE d.handed_back WHEN 'snooze' THEN %(now)s::timestamptz
+                                  WHEN 'retry' THEN %(retry_at)s::timestamptz
+                                  ELSE j.ready_at END,
+    attempt = CASE WHEN d.handed_back = 'snooze' THEN j.attempt - 1 ELSE j.attempt END,
+    finished_at = CASE WHEN d.handed_back IN ('failed', 'cancelled') THEN %(now)s::timestamptz
+                       ELSE j.finished_at END,
+    errors = j.errors || CASE d.handed_back
+      WHEN 'snooze' THEN jsonb_build_array(%(entry)s::jsonb)
+      WHEN 'cancelled' THEN jsonb_build_array(%(entry)s::jsonb, %(cancelled)s::jsonb)
+      ELSE jsonb_build_array(%(entry)s::jsonb || jsonb_build_object(
+        'lost', d.lost, 'executors', d.executors,
+        'message', format(%(message)s::text, d.lost, (
+          SELECT string_agg(e, ', ') FROM jsonb_array_elements_text(d.executors) AS e))))
+    END,
+    lease_until = NULL, leased_by = NULL
+FROM decided AS d
+WHERE j.id = d.held_id
+RETURNING {job_columns}, d.handed_back;
+
 -- name: expired_leases
 -- §6 reclaim candidates; each is then re-checked under its locks.
 SELECT id, workflow_id FROM belay_jobs
