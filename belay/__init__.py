@@ -48,6 +48,7 @@ from belay.errors import (
     BelayError,
     ConfigurationError,
     ContractMismatch,
+    IdempotencyConflict,
     JobCancelled,
     JobFailed,
     JobNotFound,
@@ -99,6 +100,7 @@ __all__ = [
     "ContractMismatch",
     "Cost",
     "Event",
+    "IdempotencyConflict",
     "Interrupted",
     "Job",
     "JobCancelled",
@@ -266,8 +268,9 @@ def steer_job(job_id: int, payload: Mapping[str, Any], *, conn: Conn | None = No
 
 
 def top_up(job_id: int, *, usd: float | None = None, tokens: int | None = None,
-           conn: Conn | None = None) -> Job:
-    return default().top_up(job_id, usd=usd, tokens=tokens, conn=conn)
+           idempotency_key: str | None = None, conn: Conn | None = None) -> Job:
+    return default().top_up(job_id, usd=usd, tokens=tokens, idempotency_key=idempotency_key,
+                            conn=conn)
 
 
 def spend(by: str | Sequence[str] = "kind", **options: Any) -> SpendReport:
