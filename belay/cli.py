@@ -884,10 +884,9 @@ def _top_up(args: argparse.Namespace, client: Belay) -> int:
     from belay import ops
     from belay.budget import pause_need
 
-    asked = {"job_id": args.job_id, "usd": args.usd, "tokens": args.tokens}
-    if args.idempotency_key is not None:
-        asked["idempotency_key"] = args.idempotency_key
-    done = ops.mutate(client, ops.Guard(allow=True), "top_up", asked)
+    done = ops.mutate(client, ops.Guard(allow=True), "top_up",
+                      {"job_id": args.job_id, "usd": args.usd, "tokens": args.tokens,
+                       "idempotency_key": args.idempotency_key})
     job = done["job"]
     caps = ", ".join(f"{unit} cap {job[key]:g}" for unit, key in
                      (("USD", "budget_usd"), ("token", "budget_tokens"))

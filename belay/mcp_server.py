@@ -277,10 +277,8 @@ def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
         $top_up) resumes from its journal once the caps cover its spend (resumed
         says whether it did); its paid steps are not paid again. Send an
         idempotency_key when the call may be retried (a timeout, a lost answer)."""
-        args: dict[str, Any] = {"job_id": job_id, "usd": usd, "tokens": tokens}
-        if idempotency_key is not None:
-            args["idempotency_key"] = idempotency_key
-        return mutation("top_up", args)
+        return mutation("top_up", {"job_id": job_id, "usd": usd, "tokens": tokens,
+                                   "idempotency_key": idempotency_key})
 
     @tool(read)
     def schedules() -> dict[str, Any]:

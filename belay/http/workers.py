@@ -802,7 +802,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 def _handled(handler: Handler) -> Handler:
     async def run(request: Request) -> Response:
         # belay.origin's rule, here too: these routes may be mounted without
-        # build_app's BrowserGuard (which answers first when they are not).
+        # build_app, whose BrowserGuard otherwise answers before they run.
         refused = refusal(request.method, request.headers)
         if refused is not None:
             return _error(refused.code, refused.message, refused.status, {"Connection": "close"})
