@@ -39,8 +39,16 @@ JOIN_TIMEOUT = 180.0
 
 @pytest.fixture
 def wide_client(db_url: str, clock: belay.ManualClock) -> Iterator[belay.Belay]:
-    """A client with a connection per racer: no racer waits on the pool."""
+    """A client with a connection per racer, all open before a race starts: no
+    racer waits on the pool or on a connect while another one runs ahead."""
     with belay.Belay(db_url, clock=clock, max_pool_size=RACERS) as instance:
+
+        def hold() -> None:
+            with instance.connection():
+                held.wait()  # every racer holds one at once: the pool opens RACERS
+
+        held = threading.Barrier(RACERS, timeout=BARRIER_TIMEOUT)
+        assert [r for r in race([hold] * RACERS) if isinstance(r, BaseException)] == []
         yield instance
 
 
