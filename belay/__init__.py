@@ -50,6 +50,7 @@ from belay.errors import (
     ClientClosed,
     ConfigurationError,
     ContractMismatch,
+    IdempotencyConflict,
     JobCancelled,
     JobFailed,
     JobNotFound,
@@ -102,6 +103,7 @@ __all__ = [
     "ContractMismatch",
     "Cost",
     "Event",
+    "IdempotencyConflict",
     "Interrupted",
     "Job",
     "JobCancelled",
@@ -271,8 +273,9 @@ def steer_job(job_id: int, payload: Mapping[str, Any], *, conn: Conn | None = No
 
 
 def top_up(job_id: int, *, usd: float | None = None, tokens: int | None = None,
-           conn: Conn | None = None) -> Job:
-    return default().top_up(job_id, usd=usd, tokens=tokens, conn=conn)
+           idempotency_key: str | None = None, conn: Conn | None = None) -> Job:
+    return default().top_up(job_id, usd=usd, tokens=tokens, idempotency_key=idempotency_key,
+                            conn=conn)
 
 
 def spend(by: str | Sequence[str] = "kind", **options: Any) -> SpendReport:

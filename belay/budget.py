@@ -12,13 +12,14 @@ job sees an ordinary budget (and fails it at the crossing, its default).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
-from belay.errors import ValidationError
-from belay.names import TOP_UP
+from belay.errors import IdempotencyConflict, ValidationError
+from belay.names import MAX_NAME_BYTES, TOP_UP, check_text
 
 #: Where a job's budget policy lives in its ``meta``.
 POLICY_KEY: Final = "$budget"
@@ -30,6 +31,12 @@ DEFAULT_WARN_AT: Final = (0.5, 0.8)
 MAX_THRESHOLDS: Final = 8
 #: The prefix of the marks (signals in the job's scope) that record budget warnings.
 BUDGET_MARKS: Final = "$budget:"
+#: The prefix of a keyed top-up's once-only mark: ``$budget:top_up:`` + the
+#: SHA-256 (hex) of its idempotency key, so any key makes a short, fixed-size
+#: signal name; the key itself is in the mark's payload.
+TOP_UP_MARKS: Final = f"{BUDGET_MARKS}top_up:"
+#: The longest idempotency key a top-up takes, in UTF-8 bytes (as POST /jobs' ``id``).
+MAX_TOP_UP_KEY_BYTES: Final = MAX_NAME_BYTES
 #: The keys ``budget=`` takes.
 BUDGET_KEYS: Final = ("usd", "tokens", "on_exceed", "warn_at")
 
@@ -355,3 +362,52 @@ def top_up_refusal(job: Any) -> str:
                 "there is no paused run to resume: enqueue the work again with a larger "
                 "budget, or with budget={..., 'on_exceed': 'pause'} to be able to top it up")
     return f"job {job.id} is {job.state}: only a job that has not finished can be topped up"
+
+
+# -- Keyed top-ups (idempotency) --------------------------------------------------------------
+#
+# A top-up sent with an idempotency key leaves a once-only mark in the job's
+# signal scope, written in the top-up's own transaction under the job's row
+# lock (store.top_up): a retry of it with the same key finds the mark and
+# changes nothing. A mark in belay_signals, not a new column or table: the
+# tables are the wire contract another implementation shares, and a reserved
+# ``$`` name in a job's scope is what the budget warnings' marks already are.
+# It lives as long as signals do (the workers' signal_ttl, 7 days by default).
+
+
+def check_top_up_key(key: Any) -> str | None:
+    """``key`` if it can be a top-up's idempotency key (a non-blank string of at
+    most :data:`MAX_TOP_UP_KEY_BYTES` UTF-8 bytes, no NUL, no lone surrogate),
+    None for None; a ValidationError naming the fix otherwise."""
+    if key is None:
+        return None
+    return check_text(key, "the top-up's idempotency_key", max_bytes=MAX_TOP_UP_KEY_BYTES)
+
+
+def top_up_mark(key: str) -> str:
+    """The signal name (in the job's scope) that records the top-up keyed ``key``."""
+    return TOP_UP_MARKS + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def top_up_record(key: str, usd_micros: int, tokens: int, resumed: bool) -> dict[str, Any]:
+    """The mark's payload: the key, what the top-up added and whether it resumed the job."""
+    return {"key": key, "usd_micros": usd_micros, "tokens": tokens, "resumed": resumed}
+
+
+def replayed_top_up(record: Any, key: str, usd_micros: int, tokens: int, job_id: int) -> bool:
+    """A top-up sent again with the key of ``record`` (the mark's payload):
+    whether the first one resumed the job; an :class:`IdempotencyConflict` when
+    the amounts differ (compared in micro-dollars and tokens, as stored)."""
+    first = record if isinstance(record, Mapping) else {}
+    if (first.get("usd_micros"), first.get("tokens")) != (usd_micros, tokens):
+        raise IdempotencyConflict(
+            f"job {job_id} was already topped up with idempotency_key {key!r} and other "
+            f"amounts ({_amounts(first.get('usd_micros'), first.get('tokens'))}, not "
+            f"{_amounts(usd_micros, tokens)}): send a retry with the same amounts, or a new "
+            "top-up with a new key")
+    return first.get("resumed") is True
+
+
+def _amounts(usd_micros: Any, tokens: Any) -> str:
+    usd = usd_micros / 1_000_000 if isinstance(usd_micros, int) else usd_micros
+    return f"usd={usd!r}, tokens={tokens!r}"

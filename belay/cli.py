@@ -284,6 +284,9 @@ def _ops_parsers(commands: Any) -> None:
     top_up.add_argument("job_id", type=_job_id_arg)
     top_up.add_argument("--usd", type=float, metavar="DOLLARS", help="added to the USD cap")
     top_up.add_argument("--tokens", type=int, metavar="N", help="added to the token cap")
+    top_up.add_argument("--idempotency-key", metavar="KEY",
+                        help="makes a retry safe: the same key again on this job changes "
+                             "nothing; with other amounts it is refused")
 
     spend = op(commands, "spend", "what jobs spent (USD, tokens) over a range, by kind, queue, "
                                   "day, hour, workflow, parent, tree or a meta key")
@@ -882,7 +885,8 @@ def _top_up(args: argparse.Namespace, client: Belay) -> int:
     from belay.budget import pause_need
 
     done = ops.mutate(client, ops.Guard(allow=True), "top_up",
-                      {"job_id": args.job_id, "usd": args.usd, "tokens": args.tokens})
+                      {"job_id": args.job_id, "usd": args.usd, "tokens": args.tokens,
+                       "idempotency_key": args.idempotency_key})
     job = done["job"]
     caps = ", ".join(f"{unit} cap {job[key]:g}" for unit, key in
                      (("USD", "budget_usd"), ("token", "budget_tokens"))
@@ -891,6 +895,9 @@ def _top_up(args: argparse.Namespace, client: Belay) -> int:
             + ("resumed" if done["resumed"] else
                "still paused: a cap is still short" if pause_need(job["await_name"]) is not None
                else job["state"]))
+    if done["duplicate"]:
+        text = (f"job {args.job_id}: already topped up with this key, nothing changed "
+                f"({caps}; {'the first top-up resumed it' if done['resumed'] else job['state']})")
     return _emit(args, done, text)
 
 

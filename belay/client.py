@@ -24,7 +24,7 @@ from psycopg_pool import ConnectionPool, PoolClosed
 from belay import connect, names, otel, plans, schema, store
 from belay.ambient import current_context, refuse_contextless
 from belay.authority import Authority, authority_of
-from belay.budget import check_top_up
+from belay.budget import check_top_up, check_top_up_key
 from belay.clock import Clock, SystemClock
 from belay.codec import dumps_object
 from belay.cron import DynamicCron, dynamic_values
@@ -676,7 +676,7 @@ class Belay(ClientSettings):
         return self._deliver(names.job_scope(_job_id(job_id)), name, payload, conn)
 
     def top_up(self, job_id: int, *, usd: float | None = None, tokens: int | None = None,
-               conn: Conn | None = None) -> Job:
+               idempotency_key: str | None = None, conn: Conn | None = None) -> Job:
         """Raise job ``job_id``'s budget caps by ``usd`` dollars and/or ``tokens``.
 
         A job paused over its budget (``budget={..., "on_exceed": "pause"}``)
@@ -685,17 +685,27 @@ class Belay(ClientSettings):
         a cap keeps it paused. Any unfinished job can be topped up ahead of
         time. Refused (ValidationError) for a finished job — one failed by
         ``on_exceed="fail"`` included — and for a cap the job doesn't have.
-        Returns the job as it now stands."""
-        return self._top_up(job_id, usd, tokens, conn)[0]
+        Returns the job as it now stands.
+
+        ``idempotency_key`` (a string of 1 to 255 UTF-8 bytes, per job) makes
+        a retry safe: the same key again changes nothing and returns the job
+        as it stands with ``duplicate`` True; with other amounts it raises
+        IdempotencyConflict (a ValidationError). The key is kept as long as
+        signals are (the workers' ``signal_ttl``, 7 days by default)."""
+        return self._top_up(job_id, usd, tokens, conn, idempotency_key)[0]
 
     def _top_up(self, job_id: int, usd: float | None, tokens: int | None,
-                conn: Conn | None = None) -> tuple[Job, bool]:
-        """:meth:`top_up`, and whether it resumed a paused job."""
+                conn: Conn | None = None, idempotency_key: str | None = None
+                ) -> tuple[Job, bool]:
+        """:meth:`top_up`, and whether it resumed a paused job (for a duplicate,
+        whether the first top-up with its key did)."""
         job_id = _job_id(job_id)
         usd_micros, more_tokens = check_top_up(usd, tokens)
+        key = check_top_up_key(idempotency_key)
         with self.transaction(conn) as active:
-            job, woken = store.top_up(active, job_id, usd_micros, more_tokens, self.clock.now())
-            if woken:
+            job, woken = store.top_up(active, job_id, usd_micros, more_tokens, self.clock.now(),
+                                      key)
+            if woken and not job.duplicate:
                 self.poke(active, [job.queue])
         return job, woken
 

@@ -152,6 +152,11 @@ class AuthorityExceeded(ValidationError):
     retry would ask again."""
 
 
+class IdempotencyConflict(ValidationError):
+    """An idempotency key sent again with a different request: a top-up key
+    already used on that job with other amounts (``belay.Belay.top_up``)."""
+
+
 class JobNotFound(BelayError, LookupError):
     """No job has that id (it may have been pruned by retention)."""
 

@@ -60,7 +60,8 @@ class Job:
     inserted_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
-    #: True when enqueue found an existing holder of the unique key (§5.2).
+    #: True when enqueue found an existing holder of the unique key (§5.2), or
+    #: a top-up found its idempotency key already used (it changed nothing).
     duplicate: bool = False
 
     @classmethod

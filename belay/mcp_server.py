@@ -31,6 +31,7 @@ from belay import ops
 from belay.client import Belay
 from belay.errors import INVALID, UNAVAILABLE, BelayError, ConfigurationError, database_failure
 from belay.job import STATES
+from belay.origin import BrowserGuard
 
 try:
     from mcp.server.mcpserver import MCPServer
@@ -267,11 +268,17 @@ def build_server(client: Belay, guard: ops.Guard) -> MCPServer[Any]:
         usd: Annotated[float | None, Field(description="dollars added to the USD cap")] = None,
         tokens: Annotated[int | None, Field(description="tokens added to the token cap")
                           ] = None,
+        idempotency_key: Annotated[str | None, Field(
+            description="makes a retry safe: the same key again on this job changes "
+                        "nothing (duplicate: true); with other amounts it is an error")
+        ] = None,
     ) -> dict[str, Any]:
         """Raise a job's budget caps. A job paused over its budget (awaiting
         $top_up) resumes from its journal once the caps cover its spend (resumed
-        says whether it did); its paid steps are not paid again."""
-        return mutation("top_up", {"job_id": job_id, "usd": usd, "tokens": tokens})
+        says whether it did); its paid steps are not paid again. Send an
+        idempotency_key when the call may be retried (a timeout, a lost answer)."""
+        return mutation("top_up", {"job_id": job_id, "usd": usd, "tokens": tokens,
+                                   "idempotency_key": idempotency_key})
 
     @tool(read)
     def schedules() -> dict[str, Any]:
@@ -408,11 +415,19 @@ def _exit_on_signal(client: Belay) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def http_app(server: MCPServer[Any], host: str) -> Any:
+    """The streamable HTTP transport as an ASGI app, behind belay's browser rule
+    (:class:`belay.origin.BrowserGuard`): a POST or DELETE sent by a page of
+    another origin is 403, a POST that is not ``application/json`` 415. The
+    SDK's own guard lets any loopback origin through on a loopback ``host``,
+    and checks no origin at all elsewhere."""
+    return BrowserGuard(server.streamable_http_app(streamable_http_path=HTTP_PATH, host=host))
+
+
 def _serve_http(server: MCPServer[Any], host: str, port: int, guard: ops.Guard) -> None:
     import uvicorn
 
-    app = server.streamable_http_app(streamable_http_path=HTTP_PATH, host=host)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    config = uvicorn.Config(http_app(server, host), host=host, port=port, log_level="warning")
     if guard.allow and guard.authorizer is None and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"belay mcp: warning: --allow-mutations on {host}: anyone who reaches this port "
               "can retry, cancel, signal and steer jobs (prefer --authorizer)", file=sys.stderr)

@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from belay import names, store
 from belay.authority import authority_of
-from belay.budget import check_top_up
+from belay.budget import check_top_up, check_top_up_key
 from belay.codec import Opaque
 from belay.errors import BelayError, ConfigurationError, JobNotFound, ValidationError
 from belay.job import STATES, Event, Job, Step, WorkflowStatus
@@ -45,7 +45,7 @@ RATE_WINDOW = timedelta(seconds=60)
 MUTATION_ARGS: Final[Mapping[str, tuple[str, ...]]] = {
     "retry_job": ("job_id",), "cancel_job": ("job_id",),
     "signal": ("job_id", "name", "payload"), "steer_job": ("job_id", "payload"),
-    "top_up": ("job_id", "usd", "tokens"),
+    "top_up": ("job_id", "usd", "tokens", "idempotency_key"),
     "schedule": ("name", "expression", "worker", "input", "overlap", "catch_up", "options"),
     "cancel_schedule": ("name",),
 }
@@ -496,10 +496,15 @@ def mutate(client: Any, guard: Guard, tool: str, args: Mapping[str, Any]) -> dic
     if tool == "top_up":
         usd, tokens = args.get("usd"), args.get("tokens")
         check_top_up(usd, tokens)
-        guard.check(tool, {"job_id": job_id, "usd": usd, "tokens": tokens},
-                    _exists(client, job_id))
-        job, resumed = client._top_up(job_id, usd, tokens)
-        return {"job_id": job_id, "resumed": resumed, "job": job_view(job)}
+        key = check_top_up_key(args.get("idempotency_key"))
+        asked = {"job_id": job_id, "usd": usd, "tokens": tokens}
+        if key is not None:  # the authorizer sees the key only when one is sent
+            asked["idempotency_key"] = key
+        guard.check(tool, asked, _exists(client, job_id))
+        job, resumed = client._top_up(job_id, usd, tokens, idempotency_key=key)
+        # duplicate: the key was used already, nothing changed; resumed is the first answer's.
+        return {"job_id": job_id, "resumed": resumed, "duplicate": job.duplicate,
+                "job": job_view(job)}
     guard.check(tool, {"job_id": job_id},
                 _exists(client, job_id) if _takes(guard) else None)
     if tool == "cancel_job":

@@ -10,7 +10,7 @@ transaction; the client guarantees that.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
@@ -404,15 +404,29 @@ def cancel_flagged(conn: Conn, job: Job, now: datetime) -> Acked | None:
     return Acked(cancelled, after_terminal(conn, cancelled, now))
 
 
-def top_up(conn: Conn, job_id: int, usd_micros: int, tokens: int, now: datetime
-           ) -> tuple[Job, bool]:
+def top_up(conn: Conn, job_id: int, usd_micros: int, tokens: int, now: datetime,
+           key: str | None = None) -> tuple[Job, bool]:
     """Raise a job's caps by ``usd_micros`` and ``tokens``; a job paused awaiting
     a top-up whose spend they now cover becomes ready (then the second value
     is True, and the caller pokes its queue). Refused (ValidationError) for a
-    finished job and for a cap the job doesn't have. Run in a transaction."""
+    finished job and for a cap the job doesn't have. Run in a transaction.
+
+    With ``key`` (checked by :func:`budget.check_top_up_key`) the top-up is
+    recorded once, in this transaction (:func:`budget.top_up_mark`): sent
+    again it changes nothing and returns the job as it stands with
+    ``duplicate`` True and whether the first one resumed it (there is no
+    queue to poke then), or raises IdempotencyConflict for other amounts —
+    before the finished-job check, so a retry after the job ended still
+    answers as the first top-up did."""
     job = get_job(conn, job_id, for_update=True)
     if job is None:
         raise JobNotFound(job_id)
+    if key is not None:
+        # Read under the row lock, which a concurrent top-up with this key held
+        # until it committed: it waits for that one, then finds its mark.
+        replay = _top_up_replay(conn, job, key, usd_micros, tokens)
+        if replay is not None:
+            return replay
     if job.terminal:
         raise ValidationError(budget.top_up_refusal(job))
     usd = budget.raised(job.budget_usd_micros, usd_micros, "USD", job_id)
@@ -426,9 +440,29 @@ def top_up(conn: Conn, job_id: int, usd_micros: int, tokens: int, now: datetime
         "budget_usd_micros": usd, "spent_usd_micros": job.spent_usd_micros,
         "budget_tokens": more, "spent_tokens": job.spent_tokens},
         run(conn, holds.shares_held(job_id))), need)
+    if key is not None:
+        record = dumps(budget.top_up_record(key, usd_micros, tokens, wake)).decode()
+        if not budget_mark(conn, job_id, budget.top_up_mark(key), record, now):
+            # Not while every keyed top-up locks the row first; were the mark
+            # written some other way, it still decides: no second raise.
+            replay = _top_up_replay(conn, job, key, usd_micros, tokens)
+            if replay is not None:
+                return replay
     rows = _rows(conn, "top_up", {"id": job_id, "usd_micros": usd, "tokens": more,
                                   "wake": wake, "now": now})
     return Job.from_row(rows[0]), wake
+
+
+def _top_up_replay(conn: Conn, job: Job, key: str, usd_micros: int, tokens: int
+                   ) -> tuple[Job, bool] | None:
+    """``job`` marked ``duplicate`` and whether the first top-up resumed it, when
+    the top-up keyed ``key`` is already recorded (IdempotencyConflict for other
+    amounts); None when it is not."""
+    found, record = get_signal(conn, [names.job_scope(job.id)], budget.top_up_mark(key))
+    if not found:
+        return None
+    resumed = budget.replayed_top_up(record, key, usd_micros, tokens, job.id)
+    return replace(job, duplicate=True), resumed
 
 
 def budget_of(conn: Conn, job_id: int) -> dict[str, Any] | None:

@@ -307,7 +307,8 @@ def test_hostile_text_and_json_reach_no_worker_write(client: belay.Belay,
                                                      sql_conn: Conn) -> None:
     sessions = WorkerSessions(client)
     token = sessions.register("fuzz", ["t"])
-    auth = {"Authorization": f"Bearer {token}"}
+    json_headers = {"content-type": "application/json"}
+    auth = {"Authorization": f"Bearer {token}", **json_headers}
     flight: dict[str, str] = {}
 
     def execution() -> str:
@@ -339,7 +340,7 @@ def test_hostile_text_and_json_reach_no_worker_write(client: belay.Belay,
             return response
         registration: dict[str, Any] = {"runtime_id": "r", "tasks": ["t"], "queue": "q"}
         registration[field] = [value] if field == "tasks" else value
-        return http.post("/workers", content=json_text(registration))
+        return http.post("/workers", content=json_text(registration), headers=json_headers)
 
     def refused(field: str, value: Any) -> bool:
         if field == "result":

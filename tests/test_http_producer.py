@@ -434,7 +434,9 @@ def test_signals(api: TestClient, sql_conn: Conn) -> None:
     assert response.json() == {"type": "signal", "id": waiting, "signal": "approve",
                                "woken": [waiting]}
     assert job_row(sql_conn, waiting)["state"] == "ready"
-    assert api.post(f"/jobs/{waiting}/signals/nudge").json()["woken"] == []  # empty body
+    # An empty body is the payload {}, sent as JSON like any other (belay.origin).
+    assert api.post(f"/jobs/{waiting}/signals/nudge",
+                    headers={"content-type": "application/json"}).json()["woken"] == []
     assert [(r["name"], r["payload"]) for r in signal_rows(sql_conn)] == [
         ("approve", {"by": "ann"}), ("nudge", {})]
 

@@ -90,7 +90,8 @@ def post_raw(http: TestClient, path: str, body: Any, token: str | None = None) -
     """``body`` as JSON text with lone surrogates as ``\\ud800`` escapes and NaN as
     a bare literal, as a careless client writes them (httpx's ``json=`` refuses both)."""
     return http.post(path, content=body if isinstance(body, bytes) else json.dumps(body),
-                     headers=auth(token) if token else {})
+                     headers={"content-type": "application/json",
+                              **(auth(token) if token else {})})
 
 
 @pytest.mark.parametrize(("body", "words"), [
@@ -344,8 +345,8 @@ def test_bad_completions_are_refused_and_write_nothing(
     wrong_session = http.post("/workers/complete", headers=auth(other), json={
         "execution_id": event["execution_id"], "outcome": "success", "result": 1})
     assert wrong_session.status_code == 409
-    assert http.post("/workers/complete", headers=auth(token), content=b"{not json").status_code \
-        == 400
+    assert http.post("/workers/complete", content=b"{not json", headers={
+        "content-type": "application/json", **auth(token)}).status_code == 400
     row = job_row(sql_conn, job.id)
     assert (row["state"], row["result"], row["errors"]) == ("running", None, [])
 

@@ -28,15 +28,16 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
 import psycopg
 
-from belay import names, ops
+from belay import names, ops, origin
 from belay.dashboard import pages, spending
 from belay.errors import (
     INVALID,
     REFUSED,
+    IdempotencyConflict,
     JobNotFound,
     NotRetryable,
     SchemaError,
@@ -69,6 +70,9 @@ STATIC: Mapping[str, str] = {
     "dashboard.js": "text/javascript; charset=utf-8",
 }
 MAX_BODY = 64 * 1024
+_ORIGIN_FIX = "send actions from the dashboard's own pages"
+_JSON_FIX = ("send the action's arguments as JSON, with Content-Type: application/json "
+             "(an empty object {} for retry and cancel)")
 PAGE_SIZE = 50
 MAX_LIMIT = 500
 RECENT = 15
@@ -216,7 +220,7 @@ class Dashboard:
             return self._failure(_Failure(403, str(exc)), api, page)
         except JobNotFound as exc:
             return self._failure(_Failure(404, str(exc)), api, page)
-        except NotRetryable as exc:
+        except (NotRetryable, IdempotencyConflict) as exc:
             return self._failure(_Failure(409, str(exc)), api, page)
         except ValidationError as exc:
             return self._failure(_Failure(400, str(exc)), api, page)
@@ -362,12 +366,14 @@ class Dashboard:
                 tool: str) -> Response:
         if access.mode == "none":
             raise _Failure(403, access.read_only_hint)
-        if access.check_origin:
-            _same_origin(request.headers)
-        content_type = request.headers.get("content-type", "")
-        if content_type.split(";")[0].strip().lower() != "application/json":
-            raise _Failure(415, "send the action's arguments as JSON, with Content-Type: "
-                                "application/json (an empty object {} for retry and cancel)")
+        # belay.origin's rule, the one every HTTP surface applies to a mutation.
+        refused = origin.cross_origin(request.headers, fix=_ORIGIN_FIX) \
+            if access.check_origin else None
+        if refused is not None:
+            raise _Failure(403, refused)
+        refused = origin.not_json(request.headers, fix=_JSON_FIX)
+        if refused is not None:
+            raise _Failure(415, refused)
         if access.mode == "token":
             _check_token(request.headers.get("authorization", ""), access.token or "")
         if len(request.body) > MAX_BODY:
@@ -507,21 +513,6 @@ def _body_object(body: bytes) -> dict[str, Any]:
         raise ValidationError('the request body is a JSON object, like {} or '
                               '{"name": "approve", "payload": {}}')
     return args
-
-
-def _same_origin(headers: Mapping[str, str]) -> None:
-    """Refuse a browser's cross-site POST: its Origin must name the Host it reached."""
-    if headers.get("sec-fetch-site", "") == "cross-site":
-        raise _Failure(403, "cross-site request refused: actions are sent from the "
-                            "dashboard's own pages")
-    origin = headers.get("origin")
-    if origin is None:
-        return  # not a browser (curl, a script): the token or authorizer decides
-    host = headers.get("host", "").lower()
-    if origin == "null" or urlsplit(origin).netloc.lower() != host:
-        raise _Failure(403, f"cross-origin request refused: Origin {origin!r} is not this "
-                            f"dashboard ({host or 'no Host header'}); send actions from the "
-                            "dashboard's own pages")
 
 
 def _check_token(authorization: str, token: str) -> None:

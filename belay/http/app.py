@@ -25,7 +25,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from belay import ops, otel
 from belay.client import Belay
 from belay.codec import dumps
-from belay.errors import INVALID, JobNotFound, SchemaError, ValidationError, database_failure
+from belay.errors import (
+    INVALID,
+    IdempotencyConflict,
+    JobNotFound,
+    SchemaError,
+    ValidationError,
+    database_failure,
+)
 from belay.http.errors import STATUS, ApiError, error_body, invalid
 from belay.http.openapi import document
 from belay.http.options import (
@@ -34,12 +41,14 @@ from belay.http.options import (
     first_line,
     parse_enqueue,
     parse_json,
+    parse_top_up,
     path_text,
 )
 from belay.http.schedules import PATHS as SCHEDULE_PATHS
 from belay.http.schedules import ScheduleApi
 from belay.job import Job
 from belay.ops import event_view, job_view, jsonable
+from belay.origin import BrowserGuard, not_json
 
 DEFAULT_BODY_LIMIT: Final = 1_000_000
 MAX_EVENTS_PAGE: Final = 1000
@@ -69,7 +78,11 @@ def build_app(
     once the token checked out).
     ``extra_routes`` / ``extra_openapi_paths`` plug more endpoints in (the HTTP
     worker protocol). ``allowed_hosts``: when given, a request whose Host header
-    names another host is refused (a loopback server's DNS-rebinding guard)."""
+    names another host is refused (a loopback server's DNS-rebinding guard).
+
+    Every route, ``extra_routes`` included, is behind :class:`belay.origin.BrowserGuard`:
+    a mutation from a browser page of another origin is 403 ``cross_origin``,
+    a POST without ``Content-Type: application/json`` (even an empty one) 415."""
     if token is not None and not token:
         raise ValueError("token must be a non-empty string or None")
     if isinstance(body_limit, bool) or not isinstance(body_limit, int) or body_limit < 1:
@@ -102,6 +115,8 @@ def build_app(
         exception_handlers={HTTPException: _http_error, ApiError: _api_error,
                             ClientDisconnect: _disconnected, Exception: _crash},
     )
+    # Outermost last: the Host check, then the browser rule (belay.origin), then routing.
+    app.add_middleware(BrowserGuard)
     app.add_middleware(_Guard, limit=body_limit,
                        hosts=None if allowed_hosts is None else frozenset(
                            h.lower() for h in allowed_hosts))
@@ -269,19 +284,18 @@ class _Api:
     async def top_up(self, request: Request) -> Response:
         job_id = _job_id(request)
         body = await self._json_body(request, required=True)
-        if not isinstance(body, dict):
-            raise invalid('a top-up is a JSON object like {"usd": 2.5} or {"tokens": 10000}')
-        unknown = sorted(set(body) - {"usd", "tokens"})
-        if unknown:
-            raise invalid(f"a top-up takes usd and tokens; unknown field(s) {', '.join(unknown)}")
+        args = parse_top_up(body, request.headers.get("idempotency-key"))
 
         def raise_caps() -> dict[str, Any]:
             return ops.mutate(self.client, ops.Guard(allow=True), "top_up",
-                              {"job_id": job_id, **body})
+                              {"job_id": job_id, **args})
 
-        done = await run_in_threadpool(raise_caps)
+        try:
+            done = await run_in_threadpool(raise_caps)
+        except IdempotencyConflict as exc:
+            raise ApiError("idempotency_conflict", str(exc)) from None
         return json_response({"type": "top_up", "id": job_id, "resumed": done["resumed"],
-                              "job": done["job"]})
+                              "duplicate": done["duplicate"], "job": done["job"]})
 
     async def events(self, request: Request) -> Response:
         job_id = _job_id(request)
@@ -358,11 +372,11 @@ class _Api:
         raw = await read_body(request, self._body_limit)
         if not raw.strip() and not required:
             return None
-        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media != "application/json":
-            raise ApiError("unsupported_media_type",
-                           f"send the body as Content-Type: application/json (got "
-                           f"{media or 'no Content-Type'!r})")
+        # BrowserGuard answers first; the same rule here (belay.origin) keeps a
+        # route that reads a body from ever taking one that is not JSON.
+        refused = not_json(request.headers)
+        if refused is not None:
+            raise ApiError("unsupported_media_type", refused)
         if not raw.strip():
             raise invalid("the body is empty; send a JSON object")
         return parse_json(raw)

@@ -9,13 +9,17 @@ from __future__ import annotations
 from typing import Any, Final
 
 #: Every code the API answers with, and its HTTP status (``stale_execution``:
-#: a worker's report for an attempt that is no longer its own).
+#: a worker's report for an attempt that is no longer its own; ``cross_origin``:
+#: a browser's mutation from another origin, :mod:`belay.origin`;
+#: ``idempotency_conflict``: a top-up key already used with other amounts).
 STATUS: Final = {
     "invalid_request": 400,
     "unauthorized": 401,
+    "cross_origin": 403,
     "not_found": 404,
     "method_not_allowed": 405,
     "id_conflict": 409,
+    "idempotency_conflict": 409,
     "stale_execution": 409,
     "result_not_ready": 409,
     "task_failed": 409,

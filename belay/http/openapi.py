@@ -37,6 +37,14 @@ _COMMON: Final = {
     "413": _error("payload_too_large: the body is over the limit (1 MB by default)"),
     "503": _error("unavailable: the database could not be reached; nothing was done"),
 }
+#: What belay.origin's rule answers, added to every operation it applies to
+#: (any path, plugged-in ones too: the rule is the app's, not a route's).
+_CROSS_ORIGIN: Final = _error(
+    "cross_origin: a browser sent this from a page of another origin (Origin or "
+    "Sec-Fetch-Site); call it from this server's origin, or without a browser")
+_NOT_JSON: Final = _error(
+    "unsupported_media_type: a POST needs Content-Type: application/json, even with an "
+    "empty body")
 _JOB_ID: Final = {"name": "job_id", "in": "path", "required": True,
                   "schema": {"type": "integer", "minimum": 1, "maximum": _MAX_ID}}
 _NOT_FOUND: Final = _error("not_found: no such job (never inserted, or pruned)")
@@ -131,6 +139,10 @@ _OPTIONS: Final = {
     ]},
 }
 
+#: A top-up's idempotency key (belay.budget.check_top_up_key).
+_KEY: Final = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_BYTES, "pattern": "\\S",
+               "description": "a retry with the same key changes nothing; " + _TEXT}
+
 _ENQUEUE: Final = {
     "type": "object",
     "additionalProperties": False,
@@ -207,20 +219,34 @@ def _paths() -> dict[str, Any]:
             "post": {"operationId": "topUpJob", "summary": "Raise a job's budget caps",
                      "description": "Adds usd dollars and/or tokens to the job's caps. A job "
                                     "paused over its budget (on_exceed 'pause') resumes "
-                                    "from its journal once the caps cover its spend.",
+                                    "from its journal once the caps cover its spend. With "
+                                    "an idempotency key (the Idempotency-Key header or "
+                                    "idempotency_key in the body; both must agree), the "
+                                    "same key again on this job changes nothing and "
+                                    "answers duplicate: true with resumed as the first "
+                                    "top-up said; with other amounts it is 409.",
+                     "parameters": [{"name": "Idempotency-Key", "in": "header",
+                                     "required": False, "schema": _KEY}],
                      "requestBody": {"required": True, "content": {
                          "application/json": {"schema": {
                              "type": "object", "additionalProperties": False,
                              "properties": {"usd": {"type": "number", "minimum": 0},
-                                            "tokens": {"type": "integer", "minimum": 0}}}}}},
+                                            "tokens": {"type": "integer", "minimum": 0},
+                                            "idempotency_key": _KEY}}}}},
                      "responses": {"200": _json({
-                         "type": "object", "required": ["type", "id", "resumed", "job"],
+                         "type": "object",
+                         "required": ["type", "id", "resumed", "duplicate", "job"],
                          "properties": {"type": {"const": "top_up"}, "id": {"type": "integer"},
-                                        "resumed": {"type": "boolean"}, "job": _JOB}},
-                         "the caps were raised; resumed says whether a paused job woke"),
-                         "400": _error("invalid: no amount, a cap the job doesn't have, or a "
-                                       "finished job"),
+                                        "resumed": {"type": "boolean"},
+                                        "duplicate": {"type": "boolean"}, "job": _JOB}},
+                         "the caps were raised (duplicate: false), or the key was used "
+                         "already and nothing changed (duplicate: true); resumed says "
+                         "whether the (first) top-up woke a paused job"),
+                         "400": _error("invalid: no amount, a cap the job doesn't have, a "
+                                       "finished job, or a bad key"),
                          "404": _NOT_FOUND,
+                         "409": _error("idempotency_conflict: the key was used on this job "
+                                       "with other amounts"),
                          "415": _error("unsupported_media_type"), **_COMMON}},
         },
         "/jobs/{job_id}/signals/{name}": {
@@ -296,12 +322,20 @@ _DOCUMENT: Final = {
 
 def document(extra_paths: Mapping[str, Any]) -> dict[str, Any]:
     """The whole document: the producer paths plus ``extra_paths`` (a path both
-    define is refused, so a plug-in can't shadow an endpoint unnoticed)."""
+    define is refused, so a plug-in can't shadow an endpoint unnoticed), each
+    mutation with the 403 and a POST with the 415 of :mod:`belay.origin`."""
     doc = copy.deepcopy(_DOCUMENT)
     paths = _paths()
     clash = sorted(set(paths) & set(extra_paths))
     if clash:
         raise ValueError(f"extra OpenAPI paths clash with the producer API: {clash}")
     paths.update(copy.deepcopy(dict(extra_paths)))
+    for item in paths.values():
+        for method, operation in item.items():
+            if method in ("post", "put", "patch", "delete"):
+                responses = operation.setdefault("responses", {})
+                responses.setdefault("403", _CROSS_ORIGIN)
+                if method == "post":
+                    responses.setdefault("415", _NOT_JSON)
     doc["paths"] = paths
     return doc

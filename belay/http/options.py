@@ -34,6 +34,8 @@ OPTIONS: Final = frozenset({
     "id", "submission_id", "delay", "delay_ms", "run_at", "retries", "timeout",
     "timeout_ms", "queue", "priority", "budget", "backoff", "durability", "authority",
 })
+#: What a top-up's body may hold (``POST /jobs/{id}/top_up``).
+TOP_UP_FIELDS: Final = frozenset({"usd", "tokens", "idempotency_key"})
 #: Meta keys the HTTP worker protocol reads (reserved: ``$`` is belay's prefix).
 
 MAX_TIMEOUT_MS: Final = 86_400_000  # one day, the seed's bound
@@ -174,6 +176,33 @@ def idempotency(options: Mapping[str, Any]) -> Unique | None:
         raw = _identifier("submission_id", options["submission_id"])
         return Unique("submission:" + hashlib.sha256(raw.encode()).hexdigest(), "always")
     return None
+
+
+def parse_top_up(body: Any, header_key: str | None) -> dict[str, Any]:
+    """A ``POST /jobs/{id}/top_up`` body and its ``Idempotency-Key`` header (as
+    the server decoded it, latin-1) → ``ops.mutate``'s top_up arguments. The
+    key may come in either, or in both when they agree; the amounts and the
+    key are checked by ``ops.mutate`` (a ValidationError, answered 400)."""
+    if not isinstance(body, dict):
+        raise invalid('a top-up is a JSON object like {"usd": 2.5} or {"tokens": 10000}')
+    unknown = sorted(set(body) - TOP_UP_FIELDS)
+    if unknown:
+        raise invalid(f"a top-up takes {', '.join(sorted(TOP_UP_FIELDS))}; unknown field(s) "
+                      f"{_names(unknown)}")
+    if "idempotency_key" in body and not isinstance(body["idempotency_key"], str):
+        raise invalid(f"idempotency_key is a string of 1 to {MAX_ID_BYTES} bytes (UTF-8), "
+                      f"got {_show(body['idempotency_key'])}; leave it out for no key")
+    args = dict(body)
+    if header_key is not None:
+        try:  # a header's bytes, as UTF-8 text (the body's key is JSON text)
+            key = header_key.encode("latin-1").decode("utf-8")
+        except (UnicodeEncodeError, UnicodeDecodeError):
+            raise invalid("the Idempotency-Key header is not UTF-8 text; send the key as "
+                          "ASCII (or in the body as idempotency_key)") from None
+        if args.setdefault("idempotency_key", key) != key:
+            raise invalid("the Idempotency-Key header and the body's idempotency_key differ; "
+                          "send the key once, or the same key in both")
+    return args
 
 
 def parse_backoff(value: Any) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from belay.http.options import (
     text,
 )
 from belay.job import Job
+from belay.origin import refusal
 from belay.outcome import (
     RETURN_SNOOZE,
     Outcome,
@@ -807,6 +808,11 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def _handled(handler: Handler) -> Handler:
     async def run(request: Request) -> Response:
+        # belay.origin's rule, here too: these routes may be mounted without
+        # build_app, whose BrowserGuard otherwise answers before they run.
+        refused = refusal(request.method, request.headers)
+        if refused is not None:
+            return _error(refused.code, refused.message, refused.status, {"Connection": "close"})
         try:
             return await handler(request)
         except WorkerError as exc:

@@ -447,10 +447,11 @@ WHERE id = %(id)s
 RETURNING {job_columns};
 
 -- name: budget_mark
--- A budget warning's once-only mark: signal $budget:warn:<fraction> in the
--- job's scope (reserved name; no job awaits it), written once. A row comes
--- back only to the writer that inserted it, which then appends the warning
--- event. Not in the step journal: that holds the job's own steps only.
+-- A budget's once-only mark: signal $budget:warn:<fraction> (a warning) or
+-- $budget:top_up:<sha-256 of its key> (a keyed top-up) in the job's scope
+-- (reserved names; no job awaits them), written once. A row comes back only
+-- to the writer that inserted it, which then appends the warning event or
+-- raises the caps. Not in the step journal: that holds the job's own steps only.
 INSERT INTO belay_signals (scope, name, payload, inserted_at)
 VALUES (%(scope)s, %(name)s, %(payload)s::jsonb, %(now)s)
 ON CONFLICT (scope, name) DO NOTHING

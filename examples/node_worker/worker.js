@@ -45,9 +45,11 @@ const TASKS = {
 // -- HTTP ------------------------------------------------------------------------------
 
 // One JSON request; resolves to { status, body } for any HTTP answer, rejects on a
-// network error (connection refused, reset, timeout).
+// network error (connection refused, reset, timeout). Every POST is JSON, `{}` when it
+// has nothing to send: the server answers 415 to a POST of any other Content-Type.
 async function call(method, path, { body, bearer, timeoutMs = 10000 } = {}) {
   const headers = { accept: 'application/json' };
+  if (body === undefined && method === 'POST') body = {};
   if (body !== undefined) headers['content-type'] = 'application/json';
   if (bearer) headers.authorization = `Bearer ${bearer}`;
   const response = await fetch(BASE + path, {
