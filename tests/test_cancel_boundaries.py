@@ -127,7 +127,7 @@ def test_a_cancel_racing_an_attempt_boundary_is_never_lost(client, db_url, sql_c
             barrier = threading.Barrier(2)
             said: dict[str, Any] = {}
 
-            def end() -> None:
+            def end(job: Job, barrier: threading.Barrier, said: dict[str, Any]) -> None:
                 barrier.wait(10)
                 with conn.transaction():
                     if boundary == "park":
@@ -137,7 +137,7 @@ def test_a_cancel_racing_an_attempt_boundary_is_never_lost(client, db_url, sql_c
                         said["end"] = store.ack(conn, job, boundary, clock.now(), at=clock.now(),
                                                 error={"error": "x", "attempt": 1})
 
-            thread = threading.Thread(target=end)
+            thread = threading.Thread(target=end, args=(job, barrier, said))
             thread.start()
             barrier.wait(10)
             said["cancel"] = client.cancel_job(job.id)

@@ -392,7 +392,8 @@ def test_delivery_racing_the_park_never_loses_the_wake_up(client, db_url, sql_co
     def parker(conn: Conn, job: int, barrier: threading.Barrier, out: dict[str, Any]) -> None:
         barrier.wait()
         with conn.transaction():
-            out["park"] = store.park_await(conn, claimed(job, 1), f"job:{job}", "go", None, clock.now())
+            out["park"] = store.park_await(conn, claimed(job, 1), f"job:{job}", "go", None,
+                                           clock.now())
 
     def signaller(job: int, barrier: threading.Barrier, out: dict[str, Any]) -> None:
         barrier.wait()
@@ -473,9 +474,9 @@ def test_delivery_waits_for_an_open_park_then_wakes_it(client, db_url, sql_conn,
     woken: list[int] = []
     with psycopg.connect(db_url) as conn:
         with conn.transaction():
-            assert store.park_await(conn, claimed(job, 1), f"job:{job}", "go", None, clock.now()) == (
-                "awaiting"
-            )
+            parked = store.park_await(conn, claimed(job, 1), f"job:{job}", "go", None,
+                                      clock.now())
+            assert parked == "awaiting"
             thread = threading.Thread(target=lambda: woken.extend(client.signal_job(job, "go")))
             thread.start()
             wait_until(lambda: advisory_waiters(sql_conn) == 1, "delivery waits for the lock")

@@ -648,22 +648,16 @@ WITH acks AS (
       lease_until = NULL, leased_by = NULL
   FROM mine JOIN acks ON acks.id = mine.id
   WHERE j.id = mine.id AND j.state = 'running' AND j.attempt = acks.attempt
-  RETURNING j.id, j.result
+  RETURNING j.id
 )
 -- With a channel, each result is announced (§9.2) by this same statement, so
--- on its commit: one round trip for the whole batch. belay's addition to the
--- payload (listeners ignore keys they don't know): "s" the state, and the
--- result itself when small — "n" for none, "v" the envelope in base64 — so
--- an await_result woken by it returns without reading the row.
+-- on its commit: one round trip for the whole batch. The payload is the
+-- contract's {"t": "r", "id": …} and nothing more: a notification only wakes
+-- a waiter, which reads the row (any role may pg_notify, so a value carried
+-- here could be forged).
 SELECT acked.id FROM acked
 LEFT JOIN LATERAL (
-  SELECT pg_notify(%(channel)s, (
-    jsonb_build_object('t', 'r', 'id', acked.id, 's', 'succeeded')
-    || CASE WHEN acked.result IS NULL THEN '{"n": true}'::jsonb
-            WHEN octet_length(acked.result) <= 3000 THEN jsonb_build_object(
-              'v', translate(encode(acked.result, 'base64'), E'\n', ''))
-            ELSE '{}'::jsonb END
-  )::text)
+  SELECT pg_notify(%(channel)s, jsonb_build_object('t', 'r', 'id', acked.id)::text)
   WHERE %(channel)s::text IS NOT NULL
 ) AS sent ON true;
 
