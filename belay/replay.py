@@ -334,6 +334,9 @@ class _RecordedJournal(Journal):
     def lookup(self, name: str, need: tuple[int, int] = (0, 0)) -> tuple[bool, Any]:
         return True, self._replay._serve("step", name)
 
+    def probe(self, name: str, need: tuple[int, int] = (0, 0)) -> tuple[bool, Any]:
+        return self.lookup(name, need)  # nothing is held: nothing is spent
+
 
 class ReplayContext(Context):
     """What the worker function receives during a replay: the API of

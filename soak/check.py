@@ -19,7 +19,13 @@ from psycopg.rows import dict_row
 
 from belay.codec import decode_value
 from belay.settle import Member, settle
-from soak.kinds import BUDGET_ALLOWED, STEP_USD
+from soak.kinds import (
+    BUDGET_ALLOWED,
+    BUDGET_USD,
+    PARALLEL_ALLOWED,
+    SPAWNER_AUTHORITY,
+    STEP_USD,
+)
 
 Row = dict[str, Any]
 
@@ -28,7 +34,7 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 #: the attempt back: the next claim reuses its number).
 APPLIED = frozenset({"succeeded", "failed", "cancelled", "retry"})
 #: Memoized step names per kind: their bodies run at most once per clean attempt.
-STEP_KINDS = frozenset({"soak.step", "soak.budget", "soak.awaiter"})
+STEP_KINDS = frozenset({"soak.step", "soak.budget", "soak.awaiter", "soak.parallel"})
 #: How far two processes' "now" may disagree when ordering a key's holders.
 CLOCK_SLACK = timedelta(milliseconds=250)
 PLANNED = "planned failure"
@@ -48,6 +54,8 @@ class Snapshot:
     bursts: list[Row] = field(default_factory=list)
     signals: list[Row] = field(default_factory=list)
     chaos: dict[str, int] = field(default_factory=dict)
+    #: The driver's cancels: job id, what cancel_job answered, the attempt after.
+    cancels: list[Row] = field(default_factory=list)
 
 
 @dataclass
@@ -74,7 +82,7 @@ class Invariant:
 JOB_COLUMNS = (
     "id, kind, queue, state, input, attempt, max_attempts, result, errors, unique_key, "
     "unique_mode, cron_name, cron_slot, parent_id, workflow_id, wf_name, wf_deps, wf_ignore, "
-    "inserted_at, started_at, finished_at, budget_usd_micros, spent_usd_micros"
+    "inserted_at, started_at, finished_at, budget_usd_micros, spent_usd_micros, meta"
 )
 
 
@@ -103,6 +111,8 @@ def load(conn: psycopg.Connection[Any]) -> Snapshot:
                            ).fetchall(),
         signals=cur.execute("SELECT scope, name, payload FROM belay_signals").fetchall(),
         chaos=chaos,
+        cancels=cur.execute("SELECT job_id, status, attempt FROM soak_cancels ORDER BY job_id"
+                            ).fetchall(),
     )
 
 
@@ -153,6 +163,9 @@ def check(snap: Snapshot) -> list[Invariant]:
         _double_runs(snap.jobs, effects, acks),
         _rerun(jobs, effects),
         _duplicates(jobs, effects, snap.chaos),
+        _parallel(jobs, ledger, steps),
+        _cancels(jobs, ledger, effects, snap.cancels),
+        _threads(snap.jobs, jobs, ledger),
     ]
     return results
 
@@ -237,6 +250,8 @@ def _steps(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
                 want = int(name[1:])
             elif job["kind"] == "soak.awaiter" and name == "pre":
                 want = 1
+            elif job["kind"] == "soak.parallel" and name.startswith("p"):
+                want = int(name[1:])
             if want is not None and value != want:
                 inv.fail(job_id, f"job {job_id} step {name} journaled {value!r}, wanted {want!r}")
     for job_id, row, job in _ledgered(jobs, ledger, "step"):
@@ -440,8 +455,11 @@ def attempt_ends(job: Row) -> dict[int, list[str]]:
     succeed ended (its own failure, or the reclaim's ``lease_expired``)."""
     ends: dict[int, list[str]] = defaultdict(list)
     for error in job["errors"] or ():
-        if isinstance(error, dict) and isinstance(error.get("attempt"), int):
-            ends[error["attempt"]].append(str(error.get("error", "")))
+        # A {"reason": …} entry is a cancel, which ends the attempt's job, not
+        # another end of the attempt: a planned failure it cancelled is the end.
+        if isinstance(error, dict) and isinstance(error.get("attempt"), int) \
+                and "error" in error:
+            ends[error["attempt"]].append(str(error["error"]))
     return ends
 
 
@@ -533,3 +551,86 @@ def duplicated_steps(jobs: Mapping[int, Row], effects: Mapping[int, list[Row]]) 
             seen[row["step"]] += 1
         total += sum(n - 1 for n in seen.values())
     return total
+
+
+def _parallel(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
+              steps: Mapping[int, Mapping[str, list[Any]]]) -> Invariant:
+    inv = Invariant("parallel-steps-under-cap", "§11.4",
+                    f"steps run at once in threads (max_cost $0.20 each, $0.50 budget) never "
+                    f"spend past the cap: exactly {PARALLEL_ALLOWED} journaled, then "
+                    "budget_exceeded")
+    want_spend = round(PARALLEL_ALLOWED * STEP_USD * 1_000_000)
+    cap = round(BUDGET_USD * 1_000_000)
+    for job_id, _, job in _ledgered(jobs, ledger, "parallel"):
+        last = (job["errors"] or [{}])[-1]
+        if job["state"] != "failed" or not isinstance(last, dict) \
+                or last.get("error") != "budget_exceeded":
+            inv.fail(job_id, f"parallel job {job_id} ended {job['state']}: {_last_error(job)}")
+        if job["spent_usd_micros"] > cap:
+            inv.fail(job_id, f"parallel job {job_id} spent {job['spent_usd_micros']} µ$ "
+                             f"past its {cap} µ$ cap")
+        elif job["spent_usd_micros"] != want_spend:
+            inv.fail(job_id, f"parallel job {job_id} spent {job['spent_usd_micros']} µ$, "
+                             f"wanted {want_spend}")
+        journaled = len(steps.get(job_id, {}))
+        if journaled != PARALLEL_ALLOWED:
+            inv.fail(job_id, f"parallel job {job_id} journaled {journaled} steps")
+    return inv
+
+
+def _cancels(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
+             effects: Mapping[int, list[Row]], cancels: Iterable[Row]) -> Invariant:
+    inv = Invariant("cancel-ends-attempts", "§8.6",
+                    "a job whose cancel was requested starts no attempt after it: it ends "
+                    "cancelled, or succeeded by the attempt that was running")
+    asked = {row["job_id"]: row for row in cancels}
+    for job_id, _, job in _ledgered(jobs, ledger, "cancellable"):
+        cancel = asked.get(job_id)
+        started = max((e["attempt"] for e in effects.get(job_id, ())), default=0)
+        if cancel is None or cancel["status"] not in ("requested", "cancelled"):
+            # Never cancelled, or asked once it had finished ("noop"): it succeeds.
+            if job["state"] != "succeeded":
+                said = "no cancel" if cancel is None else cancel["status"]
+                inv.fail(job_id, f"cancellable job {job_id} ({said}) ended {job['state']}: "
+                                 f"{_last_error(job)}")
+            continue
+        at = cancel["attempt"]
+        if started > at:
+            inv.fail(job_id, f"job {job_id}: cancel {cancel['status']} at attempt {at}, yet "
+                             f"attempt {started} started")
+        if job["state"] == "succeeded" and job["attempt"] != at:
+            inv.fail(job_id, f"job {job_id}: cancel {cancel['status']} at attempt {at}, yet it "
+                             f"succeeded on attempt {job['attempt']}")
+        elif job["state"] not in ("succeeded", "cancelled"):
+            inv.fail(job_id, f"job {job_id}: cancel {cancel['status']}, yet it ended "
+                             f"{job['state']}")
+    return inv
+
+
+def _threads(all_jobs: Iterable[Row], jobs: Mapping[int, Row],
+             ledger: Mapping[int, Row]) -> Invariant:
+    inv = Invariant("authority-in-threads", "—",
+                    "a job's threads never enqueue past its authority: a plain thread is "
+                    "refused, one given the job's context is bounded by it")
+    by_key = {job["unique_key"]: job for job in all_jobs if job["unique_key"]}
+    for job in all_jobs:
+        if job["kind"] == "soak.evil":
+            inv.fail(job["id"], f"job {job['id']} of kind soak.evil exists (from "
+                                f"{str(job['meta'])[:80]})")
+    want_meta = {key: sorted(value) for key, value in SPAWNER_AUTHORITY.items()}
+    for job_id, _, job in _ledgered(jobs, ledger, "spawner"):
+        result = job["result"]
+        want = {"plain": "refused", "evil": "refused", "child": "enqueued"}
+        if job["state"] != "succeeded":
+            inv.fail(job_id, f"spawner {job_id} ended {job['state']}: {_last_error(job)}")
+            continue
+        got = {k: result.get(k) for k in want} if isinstance(result, dict) else result
+        if got != want:
+            inv.fail(job_id, f"spawner {job_id} saw {got!r}, wanted {want!r}")
+        child = by_key.get(f"thr:{job_id}")
+        if child is None:
+            inv.fail(job_id, f"spawner {job_id}: no job from its propagated thread")
+        elif (child["meta"] or {}).get("$authority") != want_meta:
+            inv.fail(job_id, f"spawner {job_id}: its thread's job carries authority "
+                             f"{(child['meta'] or {}).get('$authority')!r}")
+    return inv

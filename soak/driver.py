@@ -59,6 +59,9 @@ CREATE TABLE IF NOT EXISTS soak_bursts (
     id bigserial PRIMARY KEY, key text NOT NULL, mode text NOT NULL, ids jsonb NOT NULL,
     fresh int NOT NULL, retried boolean NOT NULL);
 CREATE TABLE IF NOT EXISTS soak_chaos (what text PRIMARY KEY, n int NOT NULL);
+CREATE TABLE IF NOT EXISTS soak_cancels (
+    job_id bigint PRIMARY KEY, status text NOT NULL, attempt int NOT NULL,
+    at timestamptz NOT NULL);
 """
 
 
@@ -177,6 +180,8 @@ class Driver:
         self.pending_signals: list[tuple[float, int, int]] = []
         self.signalled: set[int] = set()
         self.awaiters: dict[int, int] = {}
+        #: Cancels the driver will ask for, as (when, job id), while the job retries.
+        self.pending_cancels: list[tuple[float, int]] = []
         self.bursts = 0
         self.waves = 0
         self.logs = opts.logs or (self.server.root / "logs")
@@ -388,6 +393,20 @@ class Driver:
                                 conn=c).id, {})])
         if wave % 3 == 1:
             self.burst(f"uni:{wave}", "incomplete" if wave % 2 else "window")
+        if wave % 3 == 2:
+            self._enqueue("parallel", lambda c: [
+                (client.enqueue(kinds.parallel_kind, {}, budget={"usd": kinds.BUDGET_USD},
+                                conn=c).id, {})])
+        if wave % 2 == 1:
+            self._enqueue("spawner", lambda c: [
+                (client.enqueue(kinds.spawner_kind, {}, authority=kinds.SPAWNER_AUTHORITY,
+                                conn=c).id, {})])
+        cancel = rng.random() < 0.6
+        [cancellable] = self._enqueue("cancellable", lambda c: [
+            (client.enqueue(kinds.cancellable_kind, {}, conn=c).id, {"cancel": cancel})])
+        if cancel:  # while its attempts run and fail, or between them
+            self.pending_cancels.append((time.monotonic() + rng.uniform(0.3, 4.0), cancellable))
+        self.due_cancels()
         for _ in range(2):
             [job_id] = self._enqueue("awaiter", lambda c: [
                 (client.enqueue(kinds.awaiter_kind, {}, conn=c).id, {})])
@@ -413,6 +432,27 @@ class Driver:
         self.pending_signals = [p for p in self.pending_signals if p not in due]
         for _, job_id, _ in due:
             self.signal(job_id)
+
+    def due_cancels(self, everything: bool = False) -> None:
+        """Ask for the cancels that are due, recording what ``cancel_job``
+        answered and the attempt the job was at right after: none after it
+        may start (issue 38)."""
+        assert self.client is not None
+        client = self.client
+        now = time.monotonic()
+        due = [p for p in self.pending_cancels if everything or p[0] <= now]
+        self.pending_cancels = [p for p in self.pending_cancels if p not in due]
+        for _, job_id in due:
+            def cancel(job_id: int = job_id) -> None:
+                status = client.cancel_job(job_id)
+                conn = self.db()
+                conn.execute(
+                    "INSERT INTO soak_cancels (job_id, status, attempt, at) SELECT id, %s, "
+                    "attempt, now() FROM belay_jobs WHERE id = %s ON CONFLICT (job_id) DO "
+                    "UPDATE SET status = excluded.status, attempt = excluded.attempt, "
+                    "at = excluded.at", (str(status), job_id))
+
+            self.retry(cancel, "cancel")
 
     def burst(self, key: str, mode: str) -> None:
         """Four concurrent inserts of one unique key: one job, three duplicates."""
@@ -488,6 +528,7 @@ class Driver:
         if self.bouncer is not None and not self.bouncer.running:
             self.start_bouncer()
         self.due_signals(everything=True)
+        self.due_cancels(everything=True)
         self.supervise.set()
         threads[0].join()
         for worker in self.workers:

@@ -1,4 +1,4 @@
-"""The eight soak worker kinds, written against belay's public API only.
+"""The soak worker kinds, written against belay's public API only.
 
 Every step body (and every job-level side effect) first records a row in
 ``soak_effects`` through its own autocommit connection, so the at-least-once
@@ -169,3 +169,86 @@ def cron_kind(ctx: belay.Context) -> dict[str, Any]:
 
 CRONS = [{"name": "soak-cron", "expression": "* * * * *", "worker": cron_kind,
           "catch_up": 600}]
+
+
+# -- Issue 38's races: parallel steps under max_cost, cancels during retries,
+# -- threads that enqueue ---------------------------------------------------------------
+
+#: Four steps at once, each $0.20 with a $0.20 max_cost, against $0.50: the
+#: holds let two run; the others wait for them, then find no room (fail).
+PARALLEL_STEPS = 4
+PARALLEL_ALLOWED = 2
+#: A cancellable job fails its attempts below this one (planned), then succeeds.
+CANCELLABLE_SUCCEEDS_AT = 4
+#: The authority of a spawner: it may start soak.child jobs on the children queue.
+SPAWNER_AUTHORITY = {"kinds": ["soak.child"], "queues": ["children"]}
+
+
+@belay.worker(name="soak.parallel", queue="default", max_attempts=10, backoff=_backoff,
+              registry=REGISTRY)
+def parallel_kind(ctx: belay.Context) -> dict[str, Any]:
+    """``PARALLEL_STEPS`` steps in threads at once under one $0.50 budget: at
+    most ``PARALLEL_ALLOWED`` are ever journaled, the job fails budget_exceeded
+    and never spends past the cap."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        def body() -> int:
+            effect(ctx, f"p{i}")
+            _nap(0.05, 0.3)
+            return i
+
+        try:
+            ctx.step(f"p{i}", body, cost=belay.Cost(usd=STEP_USD),
+                     max_cost=belay.Cost(usd=STEP_USD))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, PARALLEL_STEPS + 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return {"attempt": ctx.attempt}
+
+
+@belay.worker(name="soak.cancellable", queue="default", max_attempts=10, backoff=_backoff,
+              registry=REGISTRY)
+def cancellable_kind(ctx: belay.Context) -> dict[str, Any]:
+    """Records each attempt's start, runs a while, fails until attempt
+    ``CANCELLABLE_SUCCEEDS_AT``: the driver cancels some of them meanwhile."""
+    effect(ctx, "run")
+    _nap(0.2, 0.8)
+    if ctx.attempt < CANCELLABLE_SUCCEEDS_AT:
+        raise RuntimeError(f"planned failure on attempt {ctx.attempt}")
+    return {"attempt": ctx.attempt}
+
+
+@belay.worker(name="soak.spawner", queue="default", max_attempts=25, backoff=_backoff,
+              registry=REGISTRY)
+def spawner_kind(ctx: belay.Context) -> dict[str, Any]:
+    """A job with an authority that enqueues from threads it starts: from a
+    plain thread (no job context: refused), and from one given the job's
+    context (bounded by the authority: soak.evil refused, soak.child allowed)."""
+    seen: dict[str, str] = {}
+    key = f"thr:{ctx.id}"
+
+    def enqueue(label: str, kind: str) -> None:
+        try:
+            job = ctx.client.enqueue(kind, {"v": ctx.id}, queue="children",
+                                     unique=belay.Unique(key, mode="always"))
+            seen[label] = f"enqueued {job.id}"
+        except belay.AuthorityExceeded:
+            seen[label] = "refused"
+
+    plan = [("plain", "soak.child", enqueue),
+            ("evil", "soak.evil", belay.propagate(enqueue)),
+            ("child", "soak.child", belay.propagate(enqueue))]
+    for label, kind, target in plan:
+        thread = threading.Thread(target=target, args=(label, kind))
+        thread.start()
+        thread.join()
+    return {"plain": seen.get("plain"), "evil": seen.get("evil"),
+            "child": (seen.get("child") or "").split(" ")[0], "attempt": ctx.attempt}

@@ -45,6 +45,7 @@ def job(id: int, kind: str, state: str = "succeeded", **columns: Any) -> dict[st
         "parent_id": None, "workflow_id": None, "wf_name": None, "wf_deps": [],
         "wf_ignore": [], "inserted_at": at(0), "started_at": at(0.1),
         "finished_at": at(0.5), "budget_usd_micros": None, "spent_usd_micros": 0,
+        "meta": {},
     }
     row.update(columns)
     return row
@@ -85,19 +86,37 @@ def good() -> checker.Snapshot:
         job(15, "soak.unique", unique_key="uni:2@0", unique_mode="window"),
         job(16, "soak.cron", cron_name="soak-cron", cron_slot=T0),
         job(17, "soak.cron", cron_name="soak-cron", cron_slot=T0 + timedelta(minutes=1)),
+        job(40, "soak.parallel", "failed", result=None, budget_usd_micros=500_000,
+            spent_usd_micros=400_000, errors=[{"error": "budget_exceeded", "attempt": 1}]),
+        # Cancelled while attempt 2 ran: it ends there (its planned failure, then the cancel).
+        job(41, "soak.cancellable", "cancelled", attempt=2, result=None, errors=[
+            {"error": "RuntimeError: planned failure on attempt 1", "attempt": 1},
+            {"error": "RuntimeError: planned failure on attempt 2", "attempt": 2},
+            {"reason": "cancel_requested", "attempt": 2}]),
+        job(42, "soak.cancellable", attempt=4, result={"attempt": 4}, errors=[
+            {"error": f"RuntimeError: planned failure on attempt {n}", "attempt": n}
+            for n in (1, 2, 3)]),
+        job(43, "soak.spawner", result={"plain": "refused", "evil": "refused",
+                                        "child": "enqueued", "attempt": 1},
+            meta={"$authority": {"kinds": ["soak.child"], "queues": ["children"]}}),
+        job(44, "soak.child", queue="children", unique_key="thr:43", unique_mode="always",
+            result=46, meta={"$authority": {"kinds": ["soak.child"], "queues": ["children"]}}),
     ]
     steps = [
         {"job_id": 1, "name": "s1", "value": 11}, {"job_id": 1, "name": "s2", "value": 12},
         {"job_id": 2, "name": "$spawn:fan", "value": [3, 4]},
         {"job_id": 11, "name": "pre", "value": 1},
         *({"job_id": 12, "name": f"b{i}", "value": i} for i in (1, 2, 3)),
+        {"job_id": 40, "name": "p2", "value": 2}, {"job_id": 40, "name": "p4", "value": 4},
     ]
     effects = [
         effect(1, "s1"), effect(1, "s2"), effect(3, "child"), effect(4, "child"),
         effect(5, "a", when=1), effect(6, "b", when=2), effect(7, "c", when=3),
         effect(8, "a"), effect(11, "pre"), *(effect(12, f"b{i}") for i in (1, 2, 3)),
         effect(13, "uni"), effect(14, "uni"), effect(15, "uni"),
-        effect(16, "cron"), effect(17, "cron"),
+        effect(16, "cron"), effect(17, "cron"), effect(40, "p2"), effect(40, "p4"),
+        effect(41, "run", 1), effect(41, "run", 2),
+        *(effect(42, "run", n) for n in (1, 2, 3, 4)), effect(44, "child"),
     ]
     acks = [{"job_id": 1, "attempt": 1, "outcome": "retry", "tag": "w1"},
             {"job_id": 1, "attempt": 2, "outcome": "succeeded", "tag": "w2"},
@@ -111,13 +130,18 @@ def good() -> checker.Snapshot:
                            (9, "d", "b"), (10, "d", "c"))),
         {"job_id": 11, "kind": "awaiter", "expected": {}},
         {"job_id": 12, "kind": "budget", "expected": {}},
+        {"job_id": 40, "kind": "parallel", "expected": {}},
+        {"job_id": 41, "kind": "cancellable", "expected": {"cancel": True}},
+        {"job_id": 42, "kind": "cancellable", "expected": {"cancel": False}},
+        {"job_id": 43, "kind": "spawner", "expected": {}},
     ]
     bursts = [{"key": "uni:1", "mode": "incomplete", "ids": [13] * 4, "fresh": 1,
                "retried": False},
               {"key": "uni:2", "mode": "window", "ids": [15] * 4, "fresh": 1, "retried": False}]
     signals = [{"scope": "job:11", "name": "go", "payload": {"w": 3}}]
+    cancels = [{"job_id": 41, "status": "requested", "attempt": 2}]
     return checker.Snapshot(jobs, steps, effects, acks, ledger, bursts, signals,
-                            {"kills": 0, "db_restarts": 0, "proxy_cuts": 0})
+                            {"kills": 0, "db_restarts": 0, "proxy_cuts": 0}, cancels)
 
 
 def find(snap: checker.Snapshot, job_id: int) -> dict[str, Any]:
@@ -131,7 +155,7 @@ def failing(snap: checker.Snapshot) -> dict[str, list[Any]]:
 def test_the_good_snapshot_passes_every_invariant() -> None:
     results = checker.check(good())
     assert [r.name for r in results if not r.ok] == []
-    assert len(results) == 14
+    assert len(results) == 17
 
 
 def _running(s: checker.Snapshot) -> None:
@@ -234,6 +258,33 @@ def _systemic_duplicates(s: checker.Snapshot) -> None:
     s.effects += [effect(11, "pre") for _ in range(11)]
 
 
+def _parallel_overspent(s: checker.Snapshot) -> None:
+    find(s, 40)["spent_usd_micros"] = 800_000
+    s.steps += [{"job_id": 40, "name": "p1", "value": 1}, {"job_id": 40, "name": "p3",
+                                                           "value": 3}]
+
+
+def _parallel_succeeded(s: checker.Snapshot) -> None:
+    find(s, 40).update(state="succeeded", result={"attempt": 1}, errors=[])
+
+
+def _attempt_after_cancel(s: checker.Snapshot) -> None:
+    s.effects.append(effect(41, "run", 3))
+    find(s, 41).update(attempt=3, state="succeeded", result={"attempt": 3})
+
+
+def _cancel_lost(s: checker.Snapshot) -> None:
+    find(s, 41).update(state="failed")
+
+
+def _thread_unbounded(s: checker.Snapshot) -> None:
+    s.jobs.append(job(45, "soak.evil", meta={}))
+
+
+def _thread_lost_authority(s: checker.Snapshot) -> None:
+    find(s, 44)["meta"] = {}
+
+
 BREAKS: list[tuple[str, Callable[[checker.Snapshot], None], Any]] = [
     ("all-terminal", _running, 6),
     ("no-lost-jobs", _lost, 1),
@@ -259,6 +310,12 @@ BREAKS: list[tuple[str, Callable[[checker.Snapshot], None], Any]] = [
     ("no-double-runs", _reclaimed_and_acked, 1),
     ("no-double-runs", _success_ran_again, 1),
     ("duplicates-bounded", _systemic_duplicates, "all"),
+    ("parallel-steps-under-cap", _parallel_overspent, 40),
+    ("parallel-steps-under-cap", _parallel_succeeded, 40),
+    ("cancel-ends-attempts", _attempt_after_cancel, 41),
+    ("cancel-ends-attempts", _cancel_lost, 41),
+    ("authority-in-threads", _thread_unbounded, 45),
+    ("authority-in-threads", _thread_lost_authority, 43),
 ]
 
 
@@ -282,7 +339,7 @@ def test_the_verdict_does_not_depend_on_row_order(rng: Any, which: int | None) -
         BREAKS[which][1](snap)
     before = {r.name: sorted(map(str, r.offenders)) for r in checker.check(snap)}
     for rows in (snap.jobs, snap.steps, snap.effects, snap.acks, snap.ledger, snap.bursts,
-                 snap.signals):
+                 snap.signals, snap.cancels):
         rng.shuffle(rows)
     after = {r.name: sorted(map(str, r.offenders)) for r in checker.check(snap)}
     assert after == before
