@@ -91,26 +91,40 @@ def mark_system_thread() -> None:
     _SYSTEM.marked = True
 
 
-@contextlib.contextmanager
-def entered(current: Context | None, contexts: Sequence[Context] = ()) -> Iterator[None]:
-    """Around a worker function's call: ``current`` is what
+def enter(current: Context | None, contexts: Sequence[Context] = ()
+          ) -> tuple[contextvars.Token[Context | None] | None, list[int]]:
+    """Before a worker function's call: ``current`` is what
     :func:`current_context` returns inside it (None for a chunk, whose jobs
     share the call), and every job of ``contexts`` (``current`` included)
-    that has an authority counts as running in this process until it returns."""
-    every = list(contexts) if contexts else ([] if current is None else [current])
+    that has an authority counts as running in this process until
+    :func:`leave`. Two plain functions, not a context manager: it is on
+    every job's path."""
+    every = contexts if contexts else (() if current is None else (current,))
     # A stored authority belay can't read still restricts (authority_of):
     # the key's presence is what counts.
     bounded = [ctx.id for ctx in every if AUTHORITY_KEY in ctx.meta]
     if bounded:
         _IN_FLIGHT.add(bounded)
-    token = CURRENT.set(current) if current is not None else None
+    return (CURRENT.set(current) if current is not None else None), bounded
+
+
+def leave(entered: tuple[contextvars.Token[Context | None] | None, list[int]]) -> None:
+    """After the call :func:`enter` was for."""
+    token, bounded = entered
+    if token is not None:
+        CURRENT.reset(token)
+    if bounded:
+        _IN_FLIGHT.remove(bounded)
+
+
+@contextlib.contextmanager
+def entered(current: Context | None, contexts: Sequence[Context] = ()) -> Iterator[None]:
+    """:func:`enter` and :func:`leave` around a block."""
+    state = enter(current, contexts)
     try:
         yield
     finally:
-        if token is not None:
-            CURRENT.reset(token)
-        if bounded:
-            _IN_FLIGHT.remove(bounded)
+        leave(state)
 
 
 def refuse_contextless(what: str) -> None:

@@ -14,8 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from belay import otel
-from belay.ambient import entered
+from belay import ambient, otel
 from belay.client import Belay
 from belay.context import CancelRequested, Context, Park, pause_for_steering
 from belay.crypto import DecryptionError, decrypt_input, is_encrypted
@@ -157,12 +156,13 @@ class JobRunner:
         for layer in reversed(self.middleware):
             call = _wrapped(layer, contexts, call)
         traced = otel.enter(span)
+        state = ambient.enter(current, contexts)
         try:
-            with entered(current, contexts):
-                return call(), None
+            return call(), None
         except BaseException as exc:  # the job's failure, whatever it raised
             return None, exc
         finally:
+            ambient.leave(state)
             otel.leave(traced)
 
     # -- A chunk -----------------------------------------------------------------------
