@@ -645,7 +645,7 @@ class Journal:
     def _settles(self, name: str) -> list[str]:
         """The holds journaling step ``name`` settles: its own, and a fan-in's
         charge-back (``$spend:<fan-out>``) the share its children were given."""
-        settled = [hold] if (hold := self._held.pop(name, None)) is not None else []
+        settled = [hold] if (hold := self._held.get(name)) is not None else []
         if name.startswith(SPEND_PREFIX):
             settled.append(budget.share_name(name[len(SPEND_PREFIX):]))
         return settled
@@ -668,7 +668,6 @@ class Journal:
         usd_micros, tokens = units
         otel.step_cost(name, usd_micros, tokens)
         job_id = ctx.id
-        own = self._held.get(name)
         settles = self._settles(name)
         # One statement (journal + spend + holds settled): no transaction block around it.
         try:
@@ -680,11 +679,12 @@ class Journal:
                     _, journaled = store.get_step(conn, job_id, name)
                     value = decode_value(journaled)
         except BaseException:
-            if own is not None:  # not journaled: give the headroom back
-                self._held[name] = own
-                self.release(name)
+            self.release(name)  # not journaled: give the headroom back
             raise
         if settles:
+            # Forgotten only once settled in the database: a step that waits
+            # for this run's holds must not find none here while one is there.
+            self._held.pop(name, None)
             self._settle()
         if spend is not None:
             if spend["journaled"] and _overran(units, limit):
