@@ -536,8 +536,10 @@ class Journal:
         #: The steps this run journaled, when a watchdog looks for repeats.
         self._repeats = (None if watchdog is None or watchdog.repeats is None
                          else Repeats(watchdog.repeats))
-        #: The holds on the headroom of this run's steps in flight, by step name.
+        #: The holds on the headroom of this run's steps in flight, by step name,
+        #: and the steps whose reservation is being written.
         self._held: dict[str, str] = {}
+        self._reserving: set[str] = set()
         self._run_id: str | None = None
         #: How many holds this run settled: a step waiting for headroom its
         #: own steps in flight hold tries again when it moves.
@@ -604,21 +606,27 @@ class Journal:
         flight settle. A step it doesn't fit at all fails or pauses the job as
         one over its budget does."""
         ctx = self._ctx
-        with ctx.client.transaction() as conn:
-            reserved = store.run(conn, holds.reserve(ctx.id, ctx.attempt, self.run, name, need,
-                                                     ctx.client.clock.now()))
+        self._reserving.add(name)
+        try:
+            with ctx.client.transaction() as conn:
+                reserved = store.run(conn, holds.reserve(
+                    ctx.id, ctx.attempt, self.run, name, need, ctx.client.clock.now()))
+            if reserved is not None and reserved.hold is not None:
+                self._held[name] = reserved.hold
+        finally:
+            self._reserving.discard(name)
         if reserved is None:
             return True  # the row is gone: nothing to keep within
         if reserved.verdict == holds.LOST:
             raise ctx._control(Interrupted(f"job {ctx.id} attempt {ctx.attempt}: lease lost"))
-        if reserved.verdict == holds.WAIT and self._held:
+        # Wait only while this run has steps in flight to settle (a hold it
+        # could not drop — a failed write — would otherwise be waited on forever).
+        if reserved.verdict == holds.WAIT and (set(self._held) | self._reserving) - {name}:
             return False
         if reserved.verdict in (holds.SHORT, holds.WAIT):
             standing = reserved.standing
             self._check_budget(standing.spend, name, need, standing.held.total)
             raise AssertionError("unreachable: the reservation did not fit")  # pragma: no cover
-        assert reserved.hold is not None
-        self._held[name] = reserved.hold
         return True
 
     def _settle(self) -> None:
@@ -630,7 +638,7 @@ class Journal:
     def release(self, name: str) -> None:
         """Drop the hold of step ``name`` when it won't be journaled (it raised).
         Best effort: a hold left behind dies with this run."""
-        hold = self._held.pop(name, None)
+        hold = self._held.get(name)
         if hold is None:
             return
         ctx = self._ctx
@@ -640,6 +648,8 @@ class Journal:
         except Exception:
             log.warning("belay: job %d: dropping the hold of step %r failed; it is dropped "
                         "when the job next runs", ctx.id, name, exc_info=True)
+        # Forgotten once dropped in the database (see record).
+        self._held.pop(name, None)
         self._settle()
 
     def _settles(self, name: str) -> list[str]:

@@ -23,7 +23,7 @@ from belay.authority import authority_of
 from belay.codec import dumps, loads
 from belay.connect import pooler_error
 from belay.enqueue import Row
-from belay.errors import JobNotFound, ValidationError
+from belay.errors import ConfigurationError, JobNotFound, ValidationError
 from belay.job import Event, Job, Step
 from belay.queues import QueueSpec, rate_admits, rate_allowance
 from belay.sql import QUERIES
@@ -854,9 +854,22 @@ def prune_rate(conn: Conn, before_window: int) -> int:
 
 
 def append_event(conn: Conn, job_id: int, payload_json: str, now: datetime) -> int:
-    """Append to a job's event stream; returns the new entry's seq."""
-    return int(_value(conn, "append_event", {"job_id": job_id, "payload": payload_json,
-                                             "now": now}))
+    """Append to a job's event stream; returns the new entry's seq. Appends
+    racing for one job each get a seq of their own (the statement says how)."""
+    params = {"job_id": job_id, "payload": payload_json, "now": now}
+    for _ in range(APPEND_TRIES):
+        seq = _value(conn, "append_event", params)
+        if seq is not None:
+            return int(seq)
+    # Only a snapshot that never moves (a caller's REPEATABLE READ transaction)
+    # keeps picking a number already taken.
+    raise ConfigurationError(
+        f"appending an event to job {job_id} found its next number taken {APPEND_TRIES} times: "
+        "append events on a connection in READ COMMITTED (PostgreSQL's default)")
+
+
+#: How many times an event append picks the job's next number before giving up.
+APPEND_TRIES = 100
 
 
 # -- Workflows (§8.3) ----------------------------------------------------------------

@@ -558,7 +558,8 @@ def _parallel(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
     inv = Invariant("parallel-steps-under-cap", "§11.4",
                     f"steps run at once in threads (max_cost $0.20 each, $0.50 budget) never "
                     f"spend past the cap: exactly {PARALLEL_ALLOWED} journaled, then "
-                    "budget_exceeded")
+                    "budget_exceeded — unless a run lost its lease with steps in flight (a "
+                    "zombie journals what it already started, §11.3's at-least-once window)")
     want_spend = round(PARALLEL_ALLOWED * STEP_USD * 1_000_000)
     cap = round(BUDGET_USD * 1_000_000)
     for job_id, _, job in _ledgered(jobs, ledger, "parallel"):
@@ -566,6 +567,11 @@ def _parallel(jobs: Mapping[int, Row], ledger: Mapping[int, Row],
         if job["state"] != "failed" or not isinstance(last, dict) \
                 or last.get("error") != "budget_exceeded":
             inv.fail(job_id, f"parallel job {job_id} ended {job['state']}: {_last_error(job)}")
+        lost = any(LEASE_EXPIRED in ends for ends in attempt_ends(job).values())
+        if lost:
+            inv.notes.append(f"parallel job {job_id}: a run lost its lease; spent "
+                             f"{job['spent_usd_micros']} µ$ (not checked against the cap)")
+            continue
         if job["spent_usd_micros"] > cap:
             inv.fail(job_id, f"parallel job {job_id} spent {job['spent_usd_micros']} µ$ "
                              f"past its {cap} µ$ cap")

@@ -14,6 +14,7 @@ from soak.check import (
     duplicate_allowance,
     duplicated_steps,
 )
+from soak.kinds import BUDGET_USD
 
 
 def render(snap: Snapshot, results: list[Invariant], *, opts: Any, started: datetime,
@@ -98,6 +99,7 @@ def render(snap: Snapshot, results: list[Invariant], *, opts: Any, started: date
         f"{outcomes.get('stale', 0)}; executions that noticed their lease was lost: "
         f"{outcomes.get('lost', 0)}",
         "",
+        *_races(snap),
         "## Invariants (contract §11)",
     ]
     for result in results:
@@ -111,3 +113,28 @@ def render(snap: Snapshot, results: list[Invariant], *, opts: Any, started: date
     lines += ["", "## Chaos log (first 40 events)", ""]
     lines += [f"    {event}" for event in events[:40]] or ["    (none)"]
     return "\n".join(lines) + "\n"
+
+
+def _races(snap: Snapshot) -> list[str]:
+    """Issue 38's races: what the parallel, cancellable and spawner jobs did."""
+    cap = round(BUDGET_USD * 1_000_000)
+    parallel = [job for job in snap.jobs if job["kind"] == "soak.parallel"]
+    zombies = [job for job in parallel
+               if any(LEASE_EXPIRED in ends for ends in attempt_ends(job).values())]
+    over = [job["id"] for job in parallel if job["spent_usd_micros"] > cap]
+    asked = Counter(row["status"] for row in snap.cancels)
+    cancellable = Counter(job["state"] for job in snap.jobs if job["kind"] == "soak.cancellable")
+    spawners = Counter(job["state"] for job in snap.jobs if job["kind"] == "soak.spawner")
+    return [
+        "## Races (issue 38)",
+        f"- Parallel steps under max_cost: {len(parallel)} jobs; spent past the $0.50 cap: "
+        f"{len(over)} {sorted(over)[:10] if over else ''}; jobs a run of which lost its lease "
+        f"with steps in flight (not held to the cap): {len(zombies)}",
+        "- Cancels asked while jobs retried: "
+        + (", ".join(f"{k}={n}" for k, n in sorted(asked.items())) or "none")
+        + "; cancellable jobs ended: "
+        + (", ".join(f"{k}={n}" for k, n in sorted(cancellable.items())) or "none"),
+        "- Spawners (threads that enqueue under an authority) ended: "
+        + (", ".join(f"{k}={n}" for k, n in sorted(spawners.items())) or "none"),
+        "",
+    ]

@@ -125,7 +125,7 @@ def test_a_step_waits_for_the_steps_in_flight_and_runs_when_they_leave_room(
         return asyncio.run(main())
 
     j = client.enqueue(job, budget={"usd": 0.5})
-    assert drain(client, reg) == {"succeeded": 1}
+    assert drain(client, reg) == {"succeeded": 1}, job_row(sql_conn, j.id)["errors"]
     assert client.get_job(j.id).result == [0, 1, 2]  # type: ignore[union-attr]
     assert most[0] <= 2  # never a third $0.25 promised beside two
     assert spend(sql_conn, j.id) == (150_000, 0) and holds(sql_conn, j.id) == []
@@ -159,7 +159,7 @@ def test_a_step_refused_for_held_headroom_pauses_and_a_top_up_resumes_paying_onc
     reg, started = belay.Registry(), []
     job = client.enqueue(gather_steps(reg, started, steps=2),
                          budget={"usd": 0.5, "on_exceed": "pause"})
-    assert drain(client, reg) == {"await": 1}
+    assert drain(client, reg) == {"await": 1}, job_row(sql_conn, job.id)["errors"]
     row = job_row(sql_conn, job.id)
     assert (row["state"], row["await_name"]) == ("awaiting", "$top_up:400000:0")
     assert len(started) == 1
@@ -324,3 +324,28 @@ def test_concurrent_share_fan_outs_split_the_remainder_between_them(client, sql_
     assert len(given) == 4
     assert sum(given) <= 1_000_000, given  # never the same remainder twice
     assert holds(sql_conn, j.id) == []  # both charge-backs settled their shares
+
+
+def test_events_a_jobs_threads_append_at_once_each_get_a_number(client, sql_conn) -> None:
+    """Steps in threads announce at once (budget warnings, ``emit``): each
+    event gets a seq of its own, where two used to pick the same one and one
+    append failed with a unique violation."""
+    reg = belay.Registry()
+    barrier = threading.Barrier(8)
+
+    @belay.worker(name="chatty", max_attempts=1, registry=reg)
+    def job(ctx: belay.Context) -> int:
+        def emit(n: int) -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(5)
+            for k in range(5):
+                ctx.emit({"thread": n, "k": k})
+
+        in_threads(emit, 8)
+        return 40
+
+    j = client.enqueue(job)
+    assert drain(client, reg) == {"succeeded": 1}, job_row(sql_conn, j.id)["errors"]
+    seqs = [r[0] for r in sql_conn.execute(
+        "SELECT seq FROM belay_events WHERE job_id = %s ORDER BY seq", (j.id,)).fetchall()]
+    assert seqs == list(range(1, 41))

@@ -563,3 +563,16 @@ def test_a_soak_with_broken_workers_fails(soak_logs: Path) -> None:
     assert "recorded 5 steps" in text
     assert "- ✗ **memoized-steps-stay-run**" in text
     assert "- ✓ **all-terminal**" in text
+
+
+def test_a_parallel_job_whose_run_lost_its_lease_is_not_held_to_the_cap() -> None:
+    """A zombie journals the steps it had started (the at-least-once window):
+    the job can then be over the cap, and the checker says so without failing."""
+    snap = copy.deepcopy(good())
+    find(snap, 40).update(attempt=2, spent_usd_micros=600_000, errors=[
+        {"error": "lease_expired", "at": "2026-03-01T12:00:05+00:00", "attempt": 1},
+        {"error": "budget_exceeded", "attempt": 2}])
+    snap.steps.append({"job_id": 40, "name": "p1", "value": 1})
+    results = {r.name: r for r in checker.check(snap)}
+    assert results["parallel-steps-under-cap"].ok
+    assert "a run lost its lease" in results["parallel-steps-under-cap"].notes[0]

@@ -819,11 +819,16 @@ RETURNING spent_usd_micros, spent_tokens, budget_usd_micros, budget_tokens,
           EXISTS (SELECT 1 FROM journaled) AS journaled;
 
 -- name: append_event
--- Append-only per-job stream; seq is the job's next number.
+-- Append-only per-job stream; seq is the job's next number. Two appends of
+-- one job at once (its steps in threads, each announcing) may pick the same
+-- number: the second then inserts nothing (waiting for the first to commit
+-- or roll back) and returns no row, and store.append_event tries again with
+-- a fresh snapshot, which sees the first.
 INSERT INTO belay_events (job_id, seq, payload, inserted_at)
 VALUES (%(job_id)s,
         (SELECT COALESCE(max(seq), 0) + 1 FROM belay_events WHERE job_id = %(job_id)s),
         %(payload)s::jsonb, %(now)s)
+ON CONFLICT (job_id, seq) DO NOTHING
 RETURNING seq;
 
 -- name: children
