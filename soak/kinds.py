@@ -184,7 +184,7 @@ CANCELLABLE_SUCCEEDS_AT = 4
 SPAWNER_AUTHORITY = {"kinds": ["soak.child"], "queues": ["children"]}
 
 
-@belay.worker(name="soak.parallel", queue="default", max_attempts=10, backoff=_backoff,
+@belay.worker(name="soak.parallel", queue="default", max_attempts=25, backoff=_backoff,
               registry=REGISTRY)
 def parallel_kind(ctx: belay.Context) -> dict[str, Any]:
     """``PARALLEL_STEPS`` steps in threads at once under one $0.50 budget: at
@@ -214,7 +214,7 @@ def parallel_kind(ctx: belay.Context) -> dict[str, Any]:
     return {"attempt": ctx.attempt}
 
 
-@belay.worker(name="soak.cancellable", queue="default", max_attempts=10, backoff=_backoff,
+@belay.worker(name="soak.cancellable", queue="default", max_attempts=25, backoff=_backoff,
               registry=REGISTRY)
 def cancellable_kind(ctx: belay.Context) -> dict[str, Any]:
     """Records each attempt's start, runs a while, fails until attempt
@@ -233,6 +233,7 @@ def spawner_kind(ctx: belay.Context) -> dict[str, Any]:
     plain thread (no job context: refused), and from one given the job's
     context (bounded by the authority: soak.evil refused, soak.child allowed)."""
     seen: dict[str, str] = {}
+    failed: list[BaseException] = []
     key = f"thr:{ctx.id}"
 
     def enqueue(label: str, kind: str) -> None:
@@ -242,6 +243,8 @@ def spawner_kind(ctx: belay.Context) -> dict[str, Any]:
             seen[label] = f"enqueued {job.id}"
         except belay.AuthorityExceeded:
             seen[label] = "refused"
+        except BaseException as exc:  # the database away (chaos): the attempt fails
+            failed.append(exc)
 
     plan = [("plain", "soak.child", enqueue),
             ("evil", "soak.evil", belay.propagate(enqueue)),
@@ -250,5 +253,7 @@ def spawner_kind(ctx: belay.Context) -> dict[str, Any]:
         thread = threading.Thread(target=target, args=(label, kind))
         thread.start()
         thread.join()
+    if failed:
+        raise failed[0]
     return {"plain": seen.get("plain"), "evil": seen.get("evil"),
             "child": (seen.get("child") or "").split(" ")[0], "attempt": ctx.attempt}
