@@ -1,7 +1,7 @@
 """The job a piece of code runs for, found without ``ctx`` being passed down —
 and what a thread with no job does while jobs with an authority run here.
 
-``current_context()`` reads a :class:`~contextvars.ContextVar`, set around a
+``belay.current_context()`` reads a :class:`~contextvars.ContextVar`, set around a
 worker function's call. A ContextVar follows the code into asyncio tasks and
 into ``asyncio.to_thread``, but not into a ``threading.Thread`` or a plain
 ``concurrent.futures.ThreadPoolExecutor`` the job starts: those begin with an
@@ -22,31 +22,34 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from belay.errors import AuthorityExceeded
 from belay.names import AUTHORITY_KEY
 
-if TYPE_CHECKING:
-    from belay.context import Context
-
 P = ParamSpec("P")
 R = TypeVar("R")
 
-#: The Context of the job running in this thread (or task), for code far from it.
-CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+
+class Job(Protocol):
+    """What this module and the checks below it read of a running job's
+    context (:class:`belay.Context` is one): this layer knows no more of it."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def meta(self) -> dict[str, Any]: ...
+
+
+#: The context of the job running in this thread (or task), for code far from it.
+CURRENT: contextvars.ContextVar[Job | None] = contextvars.ContextVar(
     "belay_current_context", default=None)
 
 
-def current_context() -> Context | None:
-    """The ``ctx`` of the job this code runs in, or None outside a job.
-
-    Set around a worker function's call (not a chunk worker's, whose jobs share a
-    call); it follows into asyncio tasks, ``asyncio.to_thread``, and threads
-    started with the job's context (:func:`belay.propagate`,
-    :class:`belay.ThreadPoolExecutor`, ``contextvars.copy_context().run``).
-    Integrations use it to find the job without ``ctx`` being passed down.
-    """
+def current_job() -> Job | None:
+    """The context of the job this code runs in (:func:`belay.current_context`
+    has its full type), or None outside a job."""
     return CURRENT.get()
 
 
@@ -91,8 +94,8 @@ def mark_system_thread() -> None:
     _SYSTEM.marked = True
 
 
-def enter(current: Context | None, contexts: Sequence[Context] = ()
-          ) -> tuple[contextvars.Token[Context | None] | None, list[int]]:
+def enter(current: Job | None, contexts: Sequence[Job] = ()
+          ) -> tuple[contextvars.Token[Job | None] | None, list[int]]:
     """Before a worker function's call: ``current`` is what
     :func:`current_context` returns inside it (None for a chunk, whose jobs
     share the call), and every job of ``contexts`` (``current`` included)
@@ -108,7 +111,7 @@ def enter(current: Context | None, contexts: Sequence[Context] = ()
     return (CURRENT.set(current) if current is not None else None), bounded
 
 
-def leave(entered: tuple[contextvars.Token[Context | None] | None, list[int]]) -> None:
+def leave(entered: tuple[contextvars.Token[Job | None] | None, list[int]]) -> None:
     """After the call :func:`enter` was for."""
     token, bounded = entered
     if token is not None:
@@ -118,7 +121,7 @@ def leave(entered: tuple[contextvars.Token[Context | None] | None, list[int]]) -
 
 
 @contextlib.contextmanager
-def entered(current: Context | None, contexts: Sequence[Context] = ()) -> Iterator[None]:
+def entered(current: Job | None, contexts: Sequence[Job] = ()) -> Iterator[None]:
     """:func:`enter` and :func:`leave` around a block."""
     state = enter(current, contexts)
     try:

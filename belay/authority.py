@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from belay import names
-from belay.ambient import current_context, refuse_contextless
+from belay.ambient import current_job, refuse_contextless
 from belay.errors import AuthorityExceeded, ValidationError
 
 #: Where a job's authority lives in its ``meta``.
@@ -201,7 +201,7 @@ def _cap(key: str, amount: int) -> str:
 def current() -> Authority | None:
     """The authority of the job whose code is running here; None outside a
     job, or for a job that has none."""
-    ctx = current_context()
+    ctx = current_job()
     return None if ctx is None else authority_of(ctx.meta)
 
 
@@ -212,7 +212,7 @@ def check_tool(tool: str) -> None:
     authority runs in this process (:func:`belay.ambient.refuse_contextless`).
     The agent integrations call it before each tool call; call it in a tool
     of your own the same way."""
-    ctx = current_context()
+    ctx = current_job()
     if ctx is None:
         refuse_contextless(f"tool call {tool!r}")
         return

@@ -22,7 +22,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed
 
 from belay import connect, names, otel, plans, schema, store
-from belay.ambient import current_context, refuse_contextless
+from belay.ambient import current_job, refuse_contextless
 from belay.authority import Authority, authority_of
 from belay.budget import check_top_up, check_top_up_key
 from belay.clock import Clock, SystemClock
@@ -1097,7 +1097,7 @@ def finished(job: Job) -> bool:
 def _parent_authority() -> tuple[Authority, str] | None:
     """The authority of the job whose code is enqueueing, if it has one: what
     it starts inherits it, narrowed at most (:mod:`belay.authority`)."""
-    ctx = current_context()
+    ctx = current_job()
     if ctx is None:
         refuse_contextless("an enqueue")
         return None

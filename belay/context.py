@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar, Union, cast
 
 from belay import budget, holds, names, otel, store
-from belay.ambient import current_context as current_context
+from belay.ambient import CURRENT
 from belay.budget import BudgetNotice, Headroom
 from belay.codec import decode_value, dumps_object, encode_value
 from belay.enqueue import check_seconds, usd_to_micros
@@ -57,6 +57,18 @@ class Cost:
 CostSpec: TypeAlias = Union[
     "Cost", Mapping[str, Any], Callable[[T], "Cost | Mapping[str, Any] | None"], None
 ]
+
+def current_context() -> Context | None:
+    """The ``ctx`` of the job this code runs in, or None outside a job.
+
+    Set around a worker function's call (not a chunk worker's, whose jobs share a
+    call); it follows into asyncio tasks, ``asyncio.to_thread``, and threads
+    started with the job's context (:func:`belay.propagate`,
+    :class:`belay.ThreadPoolExecutor`, ``contextvars.copy_context().run``).
+    Integrations use it to find the job without ``ctx`` being passed down.
+    """
+    return cast("Context | None", CURRENT.get())
+
 
 #: The Context whose ``astep`` body is running in this task (steps don't nest).
 _ASYNC_STEP: ContextVar[Context | None] = ContextVar("belay_async_step", default=None)
