@@ -552,7 +552,11 @@ class Journal:
         #: and the steps whose reservation is being written.
         self._held: dict[str, str] = {}
         self._reserving: set[str] = set()
-        self._run_id: str | None = None
+        #: This run's name in its holds, fixed before any thread of the job can
+        #: read it: two names for one run would each find the other's holds
+        #: dead and drop them (a name made on first use was, now and then,
+        #: made twice by threads reserving at once — and steps overspent).
+        self._run_id = secrets.token_hex(8)
         #: How many holds this run settled: a step waiting for headroom its
         #: own steps in flight hold tries again when it moves.
         self._settled = 0
@@ -562,8 +566,6 @@ class Journal:
     def run(self) -> str:
         """This run's name in its holds (:mod:`belay.holds`): a hold of any
         other run is dead, since one run at a time holds the job."""
-        if self._run_id is None:
-            self._run_id = secrets.token_hex(8)
         return self._run_id
 
     def lookup(self, name: str, need: tuple[int, int] = (0, 0)) -> tuple[bool, Any]:

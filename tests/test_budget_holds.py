@@ -349,3 +349,29 @@ def test_events_a_jobs_threads_append_at_once_each_get_a_number(client, sql_conn
     seqs = [r[0] for r in sql_conn.execute(
         "SELECT seq FROM belay_events WHERE job_id = %s ORDER BY seq", (j.id,)).fetchall()]
     assert seqs == list(range(1, 41))
+
+
+def test_every_thread_of_a_run_reserves_under_one_name(client) -> None:
+    """A run names its holds once, before a thread of the job can reserve: a
+    second name for the same run would take the first name's holds for a dead
+    run's and drop them, and the steps behind them would overspend (the soak
+    caught four $0.20 steps journaled on a $0.50 budget). Eight threads read
+    the name at the same instant, in each of many runs."""
+    reg, seen = belay.Registry(), []
+    threads = 8
+
+    @belay.worker(name="names", max_attempts=1, backoff=no_backoff, registry=reg)
+    def job(ctx: belay.Context) -> None:
+        barrier, names = threading.Barrier(threads), set()
+
+        def read(_: int) -> None:
+            barrier.wait(10)
+            names.add(ctx.journal.run)
+
+        in_threads(read, threads)
+        seen.append(len(names))
+
+    runs = 200
+    client.enqueue_many([belay.JobSpec(job) for _ in range(runs)])
+    assert drain(client, reg) == {"succeeded": runs}
+    assert seen == [1] * runs, f"{sum(n > 1 for n in seen)} of {runs} runs had several names"
