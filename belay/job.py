@@ -136,6 +136,11 @@ class Job:
         return self.state in TERMINAL
 
     @property
+    def capped(self) -> bool:
+        """Whether the job has a budget cap (its success is fenced on its spend)."""
+        return self.budget_usd_micros is not None or self.budget_tokens is not None
+
+    @property
     def budget_usd(self) -> float | None:
         return None if self.budget_usd_micros is None else self.budget_usd_micros / 1_000_000
 

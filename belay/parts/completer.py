@@ -22,7 +22,7 @@ import queue as queue_module
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import psycopg
@@ -42,6 +42,26 @@ ACK_BATCH = 1000
 
 #: Tries of one ack while the database blinks, before the lease is left to lapse.
 ACK_TRIES = 3
+
+
+#: How far ahead of a snooze's due time a second try of its ack may still be
+#: sent: before then no worker, even one whose clock runs this much ahead,
+#: can have claimed the job again.
+SNOOZE_MARGIN = timedelta(seconds=5)
+
+
+def may_try_again(outcome: Outcome, now: datetime) -> bool:
+    """Whether an ack whose try failed may be sent again. A try that failed
+    may have committed (the connection went with the reply). A snooze puts
+    the attempt back down, so once it is due the job can be claimed again at
+    the same attempt, and a second try would pass the fence and end the new
+    claim's run while it runs (two runs at once). So a snooze is tried again
+    only while it is not yet due; otherwise the lease is left to lapse and
+    the reclaim retries the job (at-least-once, one attempt used)."""
+    if outcome.kind != "snooze":
+        return True
+    return outcome.at is not None and now + SNOOZE_MARGIN < outcome.at
+
 
 Announce = Callable[[psycopg.Connection[Any], store.Acked], None]
 
@@ -137,20 +157,27 @@ class Completer:
             return None
         done, acked = self.write(
             f"ack of job {job.id}",
-            lambda conn: ack_on(conn, job, outcome, self._now(), self.announce))
+            lambda conn: ack_on(conn, job, outcome, self._now(), self.announce),
+            again=lambda: may_try_again(outcome, self._now()))
         if done and acked is None:
             log.warning("belay: stale ack for job %d attempt %d discarded (the job was "
                         "reclaimed)", job.id, job.attempt)
         return None if acked is None else written(outcome, acked.job)
 
-    def write(self, what: str, write: Callable[[psycopg.Connection[Any]], T]
-              ) -> tuple[bool, T | None]:
+    def write(self, what: str, write: Callable[[psycopg.Connection[Any]], T],
+              again: Callable[[], bool] = lambda: True) -> tuple[bool, T | None]:
         """Run an ack on a pooled connection, ``ACK_TRIES`` tries when the
-        database blinks; (False, None) once it stays away — the leases then
-        lapse and the jobs are reclaimed (at-least-once)."""
+        database blinks (each try after the first only while ``again()``);
+        (False, None) once it stays away — the leases then lapse and the jobs
+        are reclaimed (at-least-once)."""
         pool = self._pools.pool
         assert pool is not None
         for attempt in range(ACK_TRIES):
+            if attempt and not again():
+                log.warning("belay: %s is not tried again (it may have landed, and the job "
+                            "been claimed since); the lease lapses and reclaim retries it",
+                            what)
+                break
             try:
                 with pool.connection() as conn:
                     return True, write(conn)

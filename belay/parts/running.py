@@ -294,16 +294,12 @@ class JobRunner:
                              backoff=definition.backoff)
         # A job with a budget cap acks alone: its success is fenced on its
         # spend (store.ack), which a batch does not check.
-        if (outcome.kind == "succeeded" and self._may_batch() and not capped(job)
+        if (outcome.kind == "succeeded" and self._may_batch() and not job.capped
                 and self.completer.defer(PendingAck(execution, outcome.result, duration))):
             return "succeeded"
         kind = self.completer.ack(job, outcome) or "stale"
         self.hooks.finished(job, kind, duration, outcome.error, raised)
         return kind
-
-
-def capped(job: Job) -> bool:
-    return job.budget_usd_micros is not None or job.budget_tokens is not None
 
 
 def cancelled_before_start(job: Job) -> CancelRequested:
