@@ -25,6 +25,10 @@ from belay import JobSpec, Unique, ValidationError, names
 from tests.helpers import START, count_jobs
 from tests.strategies import any_text, deep, hostile_json, hostile_text
 
+#: Hypothesis runs many examples against a real database; on a loaded 2-core
+#: machine that outlasts the suite's 120 s hang guard, which is for hangs.
+pytestmark = pytest.mark.timeout(600)
+
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -49,6 +49,11 @@ FUZZ = settings(max_examples=50, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
 
+#: Hypothesis runs many examples against a real database; on a loaded 2-core
+#: machine that outlasts the suite's 120 s hang guard, which is for hangs.
+pytestmark = pytest.mark.timeout(600)
+
+
 def loaded(app: Any) -> Any:
     """The app's OpenAPI document, as schemathesis fuzzes it: a 413 (the body
     is over the limit) counts as the refusal of an invalid request."""

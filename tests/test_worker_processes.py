@@ -81,8 +81,10 @@ class Proc:
     def wait(self, timeout: float) -> int:
         return self.popen.wait(timeout)
 
-    def wait_for_log(self, pattern: str, what: str, timeout: float = 15.0) -> re.Match[str]:
-        """Poll the log for ``pattern``; fail at once (with the log) if the process died."""
+    def wait_for_log(self, pattern: str, what: str, timeout: float = 60.0) -> re.Match[str]:
+        """Poll the log for ``pattern``; fail at once (with the log) if the process died.
+        The deadline is generous: a process importing its libraries on a 2-core
+        machine busy with other suites can take well over 15 s to start."""
         deadline = time.monotonic() + timeout
         while True:
             found = re.search(pattern, self.log())
