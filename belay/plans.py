@@ -152,7 +152,7 @@ def _text_array(encoded: str) -> list[str]:
 def holders_by_unique_key(keys: Iterable[str]) -> Plan[dict[tuple[str, bool], Job]]:
     """§5.2: the newest job holding each key, by (key, mode is ``incomplete``):
     the two unique indexes are separate, so each mode group has its own holder."""
-    found = yield from _fetch_rows("jobs_by_unique_keys", (list(set(keys)),))
+    found = yield from _fetch_rows("jobs_by_unique_keys", {"keys": list(set(keys))})
     return {(row["unique_key"], row["unique_mode"] == "incomplete"):
             Job.from_row(row, duplicate=True) for row in found}
 

@@ -161,10 +161,10 @@ def _wait_drained(conn: psycopg.Connection[Any], expected: int) -> None:
             raise TimeoutError(f"drain stalled at {done} of {expected} jobs succeeded")
 
 
-def _plain(n_jobs: int, queues: int = 1) -> Fill:
+def _plain(n_jobs: int, queues: int = 1, queue: str = "default") -> Fill:
     def fill(client: belay.Belay, conn: psycopg.Connection[Any]) -> None:
         client.enqueue_many([{"kind": "noop", "input": {"i": i},
-                              "queue": "default" if queues == 1 else f"q{i % queues}"}
+                              "queue": queue if queues == 1 else f"q{i % queues}"}
                              for i in range(n_jobs)], conn=conn)
     return fill
 
@@ -206,6 +206,27 @@ def _queue_figure(bench: Bench) -> Figure:
                   extra={"jobs": n_jobs})
 
 
+def _idle_queue_figures(bench: Bench) -> list[Figure]:
+    """A busy queue served beside idle ones (the worker configuration the docs
+    show: a busy queue and a small one) against the busy queue alone, each on
+    a fresh table: with several queues a node claims with claim_queues, whose
+    plan once hashed the whole table per claim (issue 39)."""
+    n_jobs = bench.size(10_000, 100_000)
+    fill = _plain(n_jobs, queue="busy")
+    alone = _drain(bench, "busy_alone", 2, ["busy=50"], n_jobs, fill)
+    figures = []
+    for idle in (["small=4"], ["small=4", "a=4", "b=4", "c=4"]):
+        rate = _drain(bench, f"busy_idle{len(idle)}", 2, ["busy=50", *idle], n_jobs, fill)
+        figures.append(Figure(
+            SECTION, f"throughput, busy queue (50) + {len(idle)} idle "
+                     f"queue{'s' if len(idle) > 1 else ''} (4), 2 worker processes",
+            rate, "jobs/s", baseline="throughput, busy queue (50) alone, 2 worker processes",
+            baseline_value=alone, target="≥ 0.85x", met=rate >= 0.85 * alone,
+            note=f"{n_jobs:,} no-op jobs in the busy queue, a fresh table; first claim to "
+                 "last ack, by the workers' clocks", extra={"jobs": n_jobs}))
+    return figures
+
+
 def _ack_figures(bench: Bench) -> list[Figure]:
     n_jobs, size = bench.size(2_000, 20_000), 10
     queue = ["default=10"]
@@ -228,4 +249,5 @@ def _ack_figures(bench: Bench) -> list[Figure]:
 
 
 def run(bench: Bench) -> list[Figure]:
-    return [*_claim_figures(bench), _queue_figure(bench), *_ack_figures(bench)]
+    return [*_claim_figures(bench), _queue_figure(bench), *_idle_queue_figures(bench),
+            *_ack_figures(bench)]

@@ -150,12 +150,19 @@ COPY belay_jobs (
 ) FROM STDIN;
 
 -- name: jobs_by_unique_keys
--- §5.2: the holder of a key is its newest row — within the mode group whose
--- index the insert conflicted on ('incomplete', or 'window'/'always', which
--- share one), so a key used in both groups never reports the other's job.
-SELECT DISTINCT ON (unique_key, unique_mode = 'incomplete') {job_columns} FROM belay_jobs
-WHERE unique_key = ANY(%s::text[]) AND unique_mode IS NOT NULL
-ORDER BY unique_key, unique_mode = 'incomplete', id DESC;
+-- §5.2: the holder of each key, per mode group (the two unique indexes are
+-- separate, so a key used in both groups never reports the other's job).
+-- Each branch reads its group's unique index, so at most one row per key: a
+-- live job for 'incomplete' (one that finished since the insert conflicted
+-- is no holder: the key is free again, and the caller inserts once more),
+-- the key's only row for 'window' and 'always'. (Asking for the newest row
+-- of any state instead matched neither index: a scan of the whole table.)
+SELECT {job_columns} FROM belay_jobs
+WHERE unique_key = ANY(%(keys)s::text[]) AND unique_mode = 'incomplete'
+  AND state IN ('ready', 'running', 'awaiting', 'held', 'paused')
+UNION ALL
+SELECT {job_columns} FROM belay_jobs
+WHERE unique_key = ANY(%(keys)s::text[]) AND unique_mode IN ('window', 'always');
 
 -- name: jobs_by_cron_slots
 SELECT {job_columns} FROM belay_jobs
@@ -500,7 +507,11 @@ DELETE FROM belay_signals WHERE scope = %s AND name = ANY(%s::text[]);
 -- for every queue that wants work when one of them does, instead of one
 -- claim (and commit) per queue. Per queue, the same two candidate sets as
 -- claim, read off the same index through a LATERAL join; the merge keeps
--- each queue's first ``take`` in claim order.
+-- each queue's first ``take`` in claim order. The picked rows are updated by
+-- id through an array, as in claim: joined to belay_jobs instead, the
+-- planner (which can't know the takes, so guesses a tenth of the table per
+-- queue) hashed the whole table on every claim — 17 ms against 1.5 ms with
+-- 100k jobs ready (issue 39; tests/test_hot_plans.py pins the plan).
 WITH want AS (
   SELECT * FROM unnest(%(queues)s::text[], %(takes)s::int[]) AS w(queue, take)
 ), ready AS (
@@ -536,8 +547,7 @@ WITH want AS (
 UPDATE belay_jobs AS j
 SET state = 'running', attempt = j.attempt + 1, lease_until = %(lease_until)s,
     leased_by = %(node)s, started_at = COALESCE(j.started_at, %(now)s)
-FROM picked
-WHERE j.id = picked.picked_id
+WHERE j.id = ANY(ARRAY(SELECT picked_id FROM picked))
 RETURNING {job_columns};
 
 -- name: claim
@@ -551,7 +561,9 @@ RETURNING {job_columns};
 -- inserts (a table never analyzed yet) reads both index ranges into a bitmap
 -- and sorts the whole ready set — measured 26 ms against 1.9 ms per claim of
 -- 100 with 30k jobs ready. ``kinds`` (NULL: any) limits it to some job kinds,
--- for an HTTP worker that runs only the tasks it registered.
+-- for an HTTP worker that runs only the tasks it registered. The update
+-- finds its rows by id through an array (one primary-key probe each), never
+-- by a join the planner may turn into a scan of the table.
 WITH ready AS (
   SELECT id, priority, ready_at FROM belay_jobs
   WHERE queue = %(queue)s AND state = 'ready'
@@ -576,22 +588,31 @@ WITH ready AS (
 UPDATE belay_jobs AS j
 SET state = 'running', attempt = j.attempt + 1, lease_until = %(lease_until)s,
     leased_by = %(node)s, started_at = COALESCE(j.started_at, %(now)s)
-FROM picked
-WHERE j.id = picked.picked_id
+WHERE j.id = ANY(ARRAY(SELECT picked_id FROM picked))
 RETURNING {job_columns};
 
 -- name: queues_with_work
 -- §9.1 idle polling, coalesced: one read for every idle queue of a node —
 -- which of them have a job the claim would take now (ready and due, or
 -- awaiting past its deadline). No locks, no writes; the claim re-checks.
-SELECT q AS queue FROM unnest(%(queues)s::text[]) AS q
-WHERE EXISTS (
-  SELECT 1 FROM belay_jobs
-  WHERE queue = q AND state = 'ready' AND COALESCE(ready_at, '-infinity') <= %(now)s
-) OR EXISTS (
-  SELECT 1 FROM belay_jobs
-  WHERE queue = q AND state = 'awaiting' AND ready_at IS NOT NULL AND ready_at <= %(now)s
-);
+-- Per queue, the first such job along the claim's own indexes, in their
+-- order (so a probe of each, stopping at the first hit): as EXISTS, the
+-- planner was free to answer every queue at once by one hashed scan of the
+-- whole table, 400k rows read per poll with 100k jobs ready (issue 39).
+SELECT w.q AS queue FROM unnest(%(queues)s::text[]) AS w(q)
+CROSS JOIN LATERAL (
+  (SELECT 1 FROM belay_jobs
+   WHERE queue = w.q AND state = 'ready' AND COALESCE(ready_at, '-infinity') <= %(now)s
+   ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC
+   LIMIT 1)
+  UNION ALL
+  (SELECT 1 FROM belay_jobs
+   WHERE queue = w.q AND state = 'awaiting' AND ready_at IS NOT NULL
+     AND ready_at <= %(now)s
+   ORDER BY ready_at ASC
+   LIMIT 1)
+  LIMIT 1
+) AS found;
 
 -- name: renew_leases
 -- §6: one statement renews every local lease; a pair not returned is lost.

@@ -92,7 +92,11 @@ SELECT COALESCE((opts ->> 'paused')::boolean, false) FROM belay_queues WHERE nam
 -- once every member of the workflow expired (settlement and an operator's
 -- retry read the members' states), children only once their parent expired
 -- too (a retried parent re-reads its children, and a pruned always-unique
--- spawn key would let a child be spawned again).
+-- spawn key would let a child be spawned again). The batch's rows are found
+-- by id through arrays (a primary-key probe each): as joins, a prepared
+-- statement's generic plan (which can't know the limit, so guesses a tenth of
+-- the table) hashed all three tables, 1.8M rows read for a batch of 100 from
+-- a table of 1M finished jobs (issue 39).
 WITH cutoff (state, before) AS (
   VALUES ('succeeded', %(succeeded)s::timestamptz), ('failed', %(failed)s::timestamptz),
          ('cancelled', %(cancelled)s::timestamptz)
@@ -111,13 +115,13 @@ WITH cutoff (state, before) AS (
   LIMIT %(limit)s
   FOR UPDATE OF j SKIP LOCKED
 ), gone AS (
-  DELETE FROM belay_jobs AS j USING doomed
-  WHERE j.id = doomed.id AND j.state = %(state)s
+  DELETE FROM belay_jobs AS j
+  WHERE j.id = ANY(ARRAY(SELECT id FROM doomed)) AND j.state = %(state)s
   RETURNING j.id
 ), steps AS (
-  DELETE FROM belay_steps WHERE job_id IN (SELECT id FROM gone)
+  DELETE FROM belay_steps WHERE job_id = ANY(ARRAY(SELECT id FROM gone))
 ), events AS (
-  DELETE FROM belay_events WHERE job_id IN (SELECT id FROM gone)
+  DELETE FROM belay_events WHERE job_id = ANY(ARRAY(SELECT id FROM gone))
 )
 SELECT count(*) FROM gone;
 
