@@ -9,6 +9,7 @@ so the checker can tell a late (stale) ack from the last claimed attempt's.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -156,7 +157,20 @@ def budget_kind(ctx: belay.Context) -> dict[str, Any]:
               registry=REGISTRY)
 def unique_kind(ctx: belay.Context) -> dict[str, Any]:
     effect(ctx, "uni")
-    _nap(0.05, 0.3)  # hold the key a while: bursts must find a live holder
+    _nap(0.05, 0.3)
+    # Hold the key until the whole burst has been inserted (the driver ledgers
+    # it once its four inserts returned), at most 10 s: the checker wants one
+    # job per burst. With only the nap, a racer that a loaded machine kept
+    # back past the holder's end rightly inserted a second job (the key was
+    # free again), which read as two holders at once (soak of issue 38).
+    key = ctx.job.unique_key
+    deadline = time.monotonic() + 10.0
+    while key is not None and time.monotonic() < deadline:
+        with contextlib.suppress(psycopg.Error):
+            if _conn().execute("SELECT 1 FROM soak_bursts WHERE key = %s",
+                               (key,)).fetchone():
+                break
+        time.sleep(0.05)
     return {"attempt": ctx.attempt}
 
 
