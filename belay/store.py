@@ -560,16 +560,37 @@ def claim_admitted(
     if spec.partition is None:
         jobs = _jobs(conn, "claim", params)
     else:
-        source, key = spec.partition
-        ids = [r["id"] for r in _rows(conn, "claim_partitioned_ids", {
-            **params, "source": source, "key": key, "per_key": spec.per_key_limit,
-        })]
+        ids = partitioned_picks(conn, spec, params, take)
         jobs = _jobs(conn, "claim_ids", {**params, "ids": ids}) if ids else []
     if rate is not None and jobs:
         rate_add(conn, rate.bucket(spec.name), names.window_start(epoch, rate.period),
                  len(jobs) * rate.estimate)
     jobs.sort(key=lambda j: (j.priority, j.ready_at is not None, j.ready_at or now, j.id))
     return jobs
+
+
+#: Claimable jobs a partitioned claim ranks first, in claim order, before it
+#: ranks the whole queue: at least this many, and four times the take.
+PARTITION_WINDOW = 256
+
+
+def partitioned_picks(
+    conn: Conn, spec: QueueSpec, params: dict[str, Any], take: int, *, window: int = 0,
+) -> list[int]:
+    """§6 partitioned candidates, exact: the ids of the first ``take`` claimable
+    jobs in claim order whose key still has room, each key capped at its
+    ``per_key_limit`` minus its live-running jobs.
+
+    A prefix of claim order (``window`` jobs) usually settles it, read along
+    the claim's indexes; only when keys at their cap fill the whole prefix
+    (one tenant's backlog ahead of the others') is the whole queue ranked.
+    """
+    assert spec.partition is not None
+    source, key = spec.partition
+    ids: list[int] = _value(conn, "claim_partitioned_ids", {
+        **params, "source": source, "key": key, "per_key": spec.per_key_limit, "take": take,
+        "window": window or max(PARTITION_WINDOW, 4 * take)})
+    return ids
 
 
 def queues_with_work(conn: Conn, queues: Sequence[str], now: datetime) -> set[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+import belay
 from bench.core import Bench, Figure, cpu_seconds, processes
 
 SECTION = "idle"
@@ -30,6 +32,10 @@ QUEUES = 5
 WARMUP = 3.0
 QUERY_TARGET = 2.0
 CPU_TARGET = 1.0
+#: Many idle queues on several processes (issue 39): statements per second in
+#: total, and enqueue → start on any of them.
+MANY_QUEUES, MANY_PROCESSES, MANY_WARMUP = 100, 4, 20.0
+MANY_TARGET, START_TARGET_MS = 4.0, 50.0
 
 NOTE = (
     "One worker process, {queues} queues (limit 10 each), no jobs, measured over "
@@ -216,10 +222,81 @@ def _measure(bench: Bench, seconds: float, *, notify: bool) -> list[Figure]:
     ]
 
 
+def _many(bench: Bench, seconds: float) -> list[Figure]:
+    """``MANY_PROCESSES`` worker processes each serving the same
+    ``MANY_QUEUES`` queues (limit 10 each, ``--notify``), no jobs: statements
+    per second from all of them together, counted by the relay after a
+    warm-up long enough for every queue to have gone idle (and its backstop
+    to have run out at least once); then one job at a time into a random
+    queue, each after the last started, for enqueue → start."""
+    samples = bench.size(10, 40)
+    with psycopg.connect(bench.url, autocommit=True) as admin:
+        server = (admin.info.host, admin.info.port)
+        with bench.database("idle_many") as url:
+            tap = _Tap(*server)
+            queues = [arg for i in range(MANY_QUEUES) for arg in ("--queue", f"q{i}=10")]
+            try:
+                with processes(MANY_PROCESSES, "bench.belay_node", "--url",
+                               _relayed(url, tap.port), *queues, "--notify"):
+                    time.sleep(MANY_WARMUP)
+                    counts, start = tap.counts(), time.monotonic()
+                    time.sleep(seconds)
+                    counts, wall = tap.counts() - counts, time.monotonic() - start
+                    starts = _starts(url, samples)
+            finally:
+                tap.close()
+    total = sum(counts.values()) / wall
+    starts.sort()
+    p50 = starts[len(starts) // 2]
+    note = (f"{MANY_PROCESSES} worker processes (bench.belay_node --notify), each serving "
+            f"the same {MANY_QUEUES} queues (limit 10 each), no jobs; statements counted on "
+            f"the wire over {wall:.0f} s after a {MANY_WARMUP:g} s warm-up (poll_interval "
+            "0.5 s, sweep_interval 5 s, queue sync and cron at their defaults)")
+    return [
+        Figure(SECTION, f"statements/s, {MANY_QUEUES} idle queues x {MANY_PROCESSES} "
+                        "processes, in total", total, "statements/s", higher_is_better=False,
+               target=f"≤ {MANY_TARGET:g}", met=total <= MANY_TARGET, note=note,
+               extra={"by_statement_per_s": {sql: round(n / wall, 2)
+                                             for sql, n in counts.most_common()}}),
+        Figure(SECTION, f"enqueue → start p50, {MANY_QUEUES} idle queues x "
+                        f"{MANY_PROCESSES} processes", p50, "ms", higher_is_better=False,
+               target=f"≤ {START_TARGET_MS:g} ms", met=p50 <= START_TARGET_MS,
+               note=f"{len(starts)} jobs, one at a time, each into a random one of the idle "
+                    "queues (belay.Belay(notify=True).enqueue); started_at - inserted_at "
+                    "from the row (one clock: the same machine)",
+               extra={"p95_ms": round(starts[int(len(starts) * 0.95) - 1], 1)}),
+    ]
+
+
+def _starts(url: str, samples: int) -> list[float]:
+    """Milliseconds from enqueue to start of ``samples`` jobs, one at a time,
+    each into a random idle queue."""
+    rng = random.Random(39)
+    starts = []
+    with belay.Belay(url, notify=True) as client, psycopg.connect(url, autocommit=True) as conn:
+        for _ in range(samples):
+            job = client.enqueue("noop", {}, queue=f"q{rng.randrange(MANY_QUEUES)}")
+            deadline = time.monotonic() + 30
+            while True:
+                row = conn.execute(
+                    "SELECT extract(epoch FROM started_at - inserted_at) * 1000 "
+                    "FROM belay_jobs WHERE id = %s AND started_at IS NOT NULL",
+                    (job.id,)).fetchone()
+                if row is not None:
+                    starts.append(float(row[0]))
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"job {job.id} did not start in 30 s")
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.2, 0.6))  # let the queue go quiet again
+    return starts
+
+
 def run(bench: Bench) -> list[Figure]:
     seconds = bench.size(10, 60)
     figures = []
     for notify in (False, True):
         bench.log(f"idle: {QUEUES} queues{' with --notify' if notify else ''}, {seconds} s")
         figures += _measure(bench, seconds, notify=notify)
-    return figures
+    bench.log(f"idle: {MANY_QUEUES} queues x {MANY_PROCESSES} processes, {seconds} s")
+    return figures + _many(bench, seconds)

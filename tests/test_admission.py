@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -186,6 +187,92 @@ def test_a_partition_caps_each_key_and_skew_cannot_starve_a_minority_key(
     with client.transaction() as conn:
         more = store.claim_admitted(conn, spec, 8, "n2", now, now + timedelta(seconds=30))
     assert [job.input["tenant"] for job in more] == ["A"]
+
+
+#: Contract §6's partitioned selection as it reads, over the whole queue:
+#: number the claimable jobs within each key in claim order, keep those within
+#: the key's room, order globally, take.
+CONTRACT_RANKING = """
+WITH keyed AS (
+  SELECT id, priority, ready_at,
+         COALESCE((CASE WHEN %(source)s = 'meta' THEN meta ELSE input END) ->> %(key)s, '') AS k
+  FROM belay_jobs
+  WHERE queue = %(queue)s
+    AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
+    AND ((state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s))
+      OR (state = 'awaiting' AND ready_at IS NOT NULL AND ready_at <= %(now)s))
+), ranked AS (
+  SELECT *, row_number() OVER (PARTITION BY k ORDER BY priority, ready_at NULLS FIRST, id) AS rn
+  FROM keyed
+), running AS (
+  SELECT COALESCE(input ->> %(key)s, '') AS k, count(*) AS c FROM belay_jobs
+  WHERE queue = %(queue)s AND state = 'running' AND lease_until > %(now)s GROUP BY 1
+)
+SELECT r.id FROM ranked AS r LEFT JOIN running USING (k)
+WHERE r.rn <= GREATEST(%(per_key)s - COALESCE(running.c, 0), 0)
+ORDER BY r.priority, r.ready_at NULLS FIRST, r.id
+LIMIT %(take)s
+"""
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_partitioned_prefix_picks_exactly_what_ranking_the_whole_queue_picks(
+    client, clock, sql_conn, seed: int
+) -> None:
+    """The claim ranks a prefix of the queue in claim order first and the
+    whole queue only when the prefix can't settle it. Over random queues —
+    skewed tenants, priorities, future and due jobs, awaiting deadlines, jobs
+    already running, a kinds filter — and windows from tiny to the whole
+    queue, its picks are the contract's full ranking's, in order."""
+    rng = random.Random(seed)
+    now = clock.now()
+    tenants = ["big"] * 12 + [f"t{i}" for i in range(rng.randint(1, 12))] + [None]
+    rows = []
+    for _ in range(rng.randint(20, 120)):
+        tenant = rng.choice(tenants)
+        state = rng.choices(["ready", "awaiting", "running"], [6, 3, 2])[0]
+        offset = (rng.choice([None, -30, -5, 5]) if state == "ready"
+                  else rng.choice([rng.uniform(-60, -1), 20]))
+        ready_at = None if offset is None else now + timedelta(seconds=offset)
+        lease = now + timedelta(seconds=rng.choice([-5, 30])) if state == "running" else None
+        rows.append((rng.choice(["t.a", "t.b"]), state, json.dumps(
+            {} if tenant is None else {"tenant": tenant}), rng.choice([0, 0, 1, 2]),
+            ready_at, lease))
+    sql_conn.cursor().executemany(
+        "INSERT INTO belay_jobs (kind, queue, state, input, priority, attempt, max_attempts, "
+        "ready_at, lease_until, inserted_at) VALUES (%s, 'p', %s, %s, %s, 0, 5, %s, %s, "
+        "now())", rows)
+    for per_key, take, kinds in [(1, 5, None), (2, 8, None), (3, 4, ["t.a"]), (5, 50, None)]:
+        spec = parse_spec("p", {"limit": take, "global_limit": per_key,
+                                "partition": {"input": "tenant"}})
+        params = {"queue": "p", "now": now, "kinds": kinds}
+        with client.transaction() as conn:
+            full = [r[0] for r in conn.execute(CONTRACT_RANKING, {
+                **params, "source": "input", "key": "tenant", "per_key": per_key,
+                "take": take})]
+            assert full
+            for window in (1, 2, 3, 7, 25, 1000):
+                picks = store.partitioned_picks(conn, spec, params, take, window=window)
+                assert picks == full, (per_key, take, kinds, window)
+
+
+def test_the_partitioned_prefix_orders_due_waits_by_priority_first(client, clock, sql_conn
+                                                                     ) -> None:
+    """Jobs whose wait is due join the prefix in claim order — priority
+    first — not by how long ago they came due: an urgent one that came due
+    a second ago goes before older, less urgent ones, and before ready ones."""
+    now = clock.now()
+    rows = [("ready", 1, None)] * 3 + [("awaiting", 2, -60)] * 3 + [("awaiting", 0, -1)] * 3
+    ids = [sql_conn.execute(
+        "INSERT INTO belay_jobs (kind, queue, state, input, priority, attempt, max_attempts, "
+        "ready_at, inserted_at) VALUES ('t.a', 'p', %s, '{}', %s, 0, 5, %s, now()) "
+        "RETURNING id", (state, priority, None if ago is None else now + timedelta(seconds=ago))
+    ).fetchone()[0] for state, priority, ago in rows]
+    spec = parse_spec("p", {"limit": 3, "global_limit": 10, "partition": {"input": "tenant"}})
+    with client.transaction() as conn:
+        picks = store.partitioned_picks(conn, spec, {"queue": "p", "now": now, "kinds": None},
+                                        3, window=3)
+    assert picks == ids[6:]
 
 
 def test_an_expired_lease_frees_its_slot(client, clock, sql_conn) -> None:

@@ -90,3 +90,56 @@ def test_a_job_coming_due_wakes_an_idle_queue(client, clock, monkeypatch) -> Non
         clock.advance(301)
         (event,) = ends.wait_for(1)
     assert (event.job.id, event.outcome) == (job.id, "succeeded")
+
+
+def test_an_idle_queue_claims_nothing_of_its_own_while_the_poller_reads(
+    client, monkeypatch
+) -> None:
+    """Each idle queue's backstop (``IDLE_BACKSTOP`` poll intervals: 1 s here)
+    runs out three times over, and no queue claims: the poller is reading.
+    (Each looked on its own before: 100 idle queues on 4 processes sent 40
+    claims a second.)"""
+    counts = _Counts(monkeypatch)
+    reg = belay.Registry()
+    belay.worker(name="idle.kind", registry=reg)(lambda ctx: None)
+    worker = make_worker(client, reg, QUEUES, poll_interval=0.05, busy_poll=0.01)
+    with running(worker):
+        wait_until(lambda: len(worker.producers.idle) == len(QUEUES), "every queue idle")
+        claims, probes = counts.snapshot()
+        time.sleep(0.05 * producer.IDLE_BACKSTOP * 3.5)
+        claims_after, probes_after = counts.snapshot()
+    assert claims_after == claims
+    assert probes_after - probes >= 10
+
+
+def test_a_stuck_poller_leaves_idle_queues_to_their_own_backstop(
+    client, sql_conn, monkeypatch
+) -> None:
+    """The poller's read hangs (a connection that never answers): once it
+    has not finished a round for half a backstop, an idle queue looks on its
+    own when its backstop runs out, and finds the job no one announced."""
+    stuck, release = threading.Event(), threading.Event()
+    probe = store.queues_with_work
+
+    def hanging(*args: Any, **kwargs: Any) -> Any:
+        if stuck.is_set():
+            release.wait(60)
+        return probe(*args, **kwargs)
+
+    monkeypatch.setattr(store, "queues_with_work", hanging)
+    reg = belay.Registry()
+    belay.worker(name="idle.kind", registry=reg)(lambda ctx: "found")
+    worker = make_worker(client, reg, {"lone": 1}, poll_interval=0.05, busy_poll=0.01)
+    ends = Ends(worker)
+    with running(worker):
+        try:
+            wait_until(lambda: len(worker.producers.idle) == 1, "the queue idle")
+            stuck.set()
+            (job_id,) = sql_conn.execute(
+                "INSERT INTO belay_jobs (kind, queue, state, input, attempt, max_attempts, "
+                "inserted_at) VALUES ('idle.kind', 'lone', 'ready', '{}', 0, 5, now()) "
+                "RETURNING id").fetchone()
+            (event,) = ends.wait_for(1, timeout=60)
+            assert (event.job.id, event.outcome) == (job_id, "succeeded")
+        finally:
+            release.set()

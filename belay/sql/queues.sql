@@ -14,35 +14,81 @@ SELECT window_start, count FROM belay_rate
 WHERE bucket = %(bucket)s AND window_start = ANY(%(windows)s::bigint[]);
 
 -- name: claim_partitioned_ids
--- §6 partitioned candidates, exact: rank the claimable jobs within each key
--- and keep those a key still has room for (its cap minus its live-running
--- jobs), then take the best globally. No FOR UPDATE: the queue's advisory lock
--- serializes claimers; claim_ids re-checks each row as it takes it.
-WITH keyed AS (
-  SELECT id, priority, ready_at,
-         COALESCE((CASE WHEN %(source)s = 'meta' THEN meta ELSE input END) ->> %(key)s, '') AS k
-  FROM belay_jobs
-  WHERE queue = %(queue)s
-    AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
-    AND ((state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s))
-      OR (state = 'awaiting' AND ready_at IS NOT NULL AND ready_at <= %(now)s))
-), ranked AS (
-  SELECT id, priority, ready_at, k,
-         row_number() OVER (PARTITION BY k ORDER BY priority ASC, ready_at ASC NULLS FIRST,
-                                                     id ASC) AS rn
-  FROM keyed
-), running AS (
+-- §6 partitioned candidates, exact: the claimable jobs ranked within each key
+-- in claim order, those a key still has room for (its cap minus its
+-- live-running jobs), the best globally. No FOR UPDATE: the queue's advisory
+-- lock serializes claimers; claim_ids re-checks each row as it takes it.
+-- Ranked first over a prefix: the first %(window)s claimable jobs in claim
+-- order, read along the claim's own indexes. A job's rank counts only its
+-- key's jobs ahead of it in claim order, all of which are in the prefix, so
+-- the prefix's picks are exactly the full ranking's picks among it — and the
+-- whole answer when they fill the take or when the prefix held every
+-- claimable job. Only otherwise (keys at their cap fill the prefix: one
+-- tenant's backlog ahead of the others') is the whole queue ranked; that
+-- subquery is not run at all when the prefix settles it. Due awaiting jobs
+-- are few; they are sorted in full claim order so the prefix is exact.
+WITH running AS (
   SELECT COALESCE((CASE WHEN %(source)s = 'meta' THEN meta ELSE input END) ->> %(key)s, '') AS k,
          count(*) AS c
   FROM belay_jobs
   WHERE queue = %(queue)s AND state = 'running' AND lease_until > %(now)s
   GROUP BY 1
+), ready AS (
+  SELECT id, priority, ready_at,
+         (CASE WHEN %(source)s = 'meta' THEN meta ELSE input END) ->> %(key)s AS k
+  FROM belay_jobs
+  WHERE queue = %(queue)s AND state = 'ready'
+    AND COALESCE(ready_at, '-infinity') <= %(now)s
+    AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
+  ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC
+  LIMIT %(window)s
+), due AS (
+  SELECT id, priority, ready_at,
+         (CASE WHEN %(source)s = 'meta' THEN meta ELSE input END) ->> %(key)s AS k
+  FROM belay_jobs
+  WHERE queue = %(queue)s AND state = 'awaiting' AND ready_at IS NOT NULL
+    AND ready_at <= %(now)s
+    AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
+  ORDER BY priority ASC, ready_at ASC, id ASC
+  LIMIT %(window)s
+), prefix AS (
+  SELECT id, priority, ready_at, COALESCE(k, '') AS k
+  FROM (SELECT * FROM ready UNION ALL SELECT * FROM due) AS candidates
+  ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC
+  LIMIT %(window)s
+), picks AS (
+  SELECT r.id, r.priority, r.ready_at
+  FROM (SELECT id, priority, ready_at, k,
+               row_number() OVER (PARTITION BY k ORDER BY priority ASC,
+                                  ready_at ASC NULLS FIRST, id ASC) AS rn
+        FROM prefix) AS r
+  LEFT JOIN running ON running.k = r.k
+  WHERE r.rn <= GREATEST(%(per_key)s - COALESCE(running.c, 0), 0)
+  ORDER BY r.priority ASC, r.ready_at ASC NULLS FIRST, r.id ASC
+  LIMIT %(take)s
 )
-SELECT r.id FROM ranked AS r
-LEFT JOIN running ON running.k = r.k
-WHERE r.rn <= GREATEST(%(per_key)s - COALESCE(running.c, 0), 0)
-ORDER BY r.priority ASC, r.ready_at ASC NULLS FIRST, r.id ASC
-LIMIT %(take)s;
+SELECT CASE
+  WHEN (SELECT count(*) FROM picks) >= %(take)s OR (SELECT count(*) FROM prefix) < %(window)s
+  THEN ARRAY(SELECT id FROM picks ORDER BY priority ASC, ready_at ASC NULLS FIRST, id ASC)
+  ELSE ARRAY(
+    SELECT r.id
+    FROM (SELECT id, priority, ready_at, k,
+                 row_number() OVER (PARTITION BY k ORDER BY priority ASC,
+                                    ready_at ASC NULLS FIRST, id ASC) AS rn
+          FROM (SELECT id, priority, ready_at,
+                       COALESCE((CASE WHEN %(source)s = 'meta' THEN meta ELSE input END)
+                                ->> %(key)s, '') AS k
+                FROM belay_jobs
+                WHERE queue = %(queue)s
+                  AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
+                  AND ((state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s))
+                    OR (state = 'awaiting' AND ready_at IS NOT NULL
+                        AND ready_at <= %(now)s))) AS keyed) AS r
+    LEFT JOIN running ON running.k = r.k
+    WHERE r.rn <= GREATEST(%(per_key)s - COALESCE(running.c, 0), 0)
+    ORDER BY r.priority ASC, r.ready_at ASC NULLS FIRST, r.id ASC
+    LIMIT %(take)s)
+END AS ids;
 
 -- name: claim_ids
 -- §6 claim update for chosen candidates, each re-checked claimable.
