@@ -29,8 +29,8 @@ from bench.core import ROOT, Bench, Figure
 from bench.report import chart, derive_targets, markdown
 
 #: In run order: the baselines first, so belay's figures can be read against them.
-SCENARIOS = ("raw", "peers", "throughput", "latency", "enqueue", "http", "scale", "idle",
-             "processes", "steps", "bigtable")
+SCENARIOS = ("raw", "profile", "peers", "throughput", "latency", "enqueue", "http", "scale",
+             "idle", "processes", "steps", "bigtable")
 
 
 @contextlib.contextmanager

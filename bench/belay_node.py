@@ -1,7 +1,9 @@
 """A belay worker process for the benchmarks: ``python -m bench.belay_node``.
 
-Registers ``noop`` (returns None) and ``echo`` (returns its input), serves
-the given queues until SIGTERM, and prints ``ready`` once it claims.
+Registers ``noop`` (returns None), ``echo`` (returns its input) and ``sleep``
+(sleeps ``input["ms"]`` milliseconds, then returns None), serves the given
+queues (``--queue NAME=N`` or ``NAME={json options}``, docs/queues.md) until
+SIGTERM, and prints ``ready`` once it claims.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+import time
 from typing import Any
 
 import belay
@@ -26,6 +29,10 @@ def registry() -> belay.Registry:
     def echo(ctx: belay.Context) -> Any:
         return ctx.input
 
+    @belay.worker(name="sleep", registry=reg, queue="default")
+    def sleep(ctx: belay.Context) -> None:
+        time.sleep(float(ctx.input.get("ms", 0)) / 1000)
+
     return reg
 
 
@@ -33,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
     parser.add_argument("--queue", action="append", default=[],
-                        help="NAME=N (repeatable); default default=10")
+                        help="NAME=N or NAME={json options} (repeatable); default default=10")
     parser.add_argument("--notify", action="store_true")
     parser.add_argument("--poll-interval", type=float, default=0.5)
     parser.add_argument("--busy-poll", type=float, default=0.025)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.core import Figure
 
-SECTIONS = ("throughput", "targets", "latency", "enqueue", "scale", "idle", "memory")
+SECTIONS = ("profile", "throughput", "targets", "latency", "enqueue", "scale", "idle", "memory")
 #: Runs too long for ``python -m bench``, each measured by its own command into
 #: a results file of its own; a full report carries them after its sections.
 LONG_RUNS = ("hosts_results.md", "vacuum_results.md")
