@@ -83,7 +83,10 @@ SELECT CASE
                   AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
                   AND ((state = 'ready' AND (ready_at IS NULL OR ready_at <= %(now)s))
                     OR (state = 'awaiting' AND ready_at IS NOT NULL
-                        AND ready_at <= %(now)s))) AS keyed) AS r
+                        AND ready_at <= %(now)s))) AS keyed
+          -- A key at its cap has no room: its jobs are dropped before the
+          -- ranking sorts them (the backlog that sent the claim here).
+          WHERE keyed.k NOT IN (SELECT k FROM running WHERE c >= %(per_key)s)) AS r
     LEFT JOIN running ON running.k = r.k
     WHERE r.rn <= GREATEST(%(per_key)s - COALESCE(running.c, 0), 0)
     ORDER BY r.priority ASC, r.ready_at ASC NULLS FIRST, r.id ASC
