@@ -30,7 +30,7 @@ from bench.report import chart, derive_targets, markdown
 
 #: In run order: the baselines first, so belay's figures can be read against them.
 SCENARIOS = ("raw", "profile", "peers", "throughput", "latency", "enqueue", "http", "scale",
-             "idle", "processes", "steps", "bigtable")
+             "admitted", "idle", "processes", "steps", "bigtable")
 
 
 @contextlib.contextmanager

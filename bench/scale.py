@@ -128,12 +128,14 @@ def _claim_figures(bench: Bench) -> list[Figure]:
 # -- Draining with belay worker processes -------------------------------------------------
 
 
-def _drain(bench: Bench, tag: str, workers: int, queues: list[str], expected: int,
-           fill: Fill, *, analyze: bool = False) -> float:
+def drain(bench: Bench, tag: str, workers: int, queues: list[str], expected: int,
+          fill: Fill, *, analyze: bool = False,
+          after: Callable[[psycopg.Connection[Any]], None] | None = None) -> float:
     """Jobs/s of ``workers`` belay worker processes serving ``queues`` draining
     what ``fill`` enqueues (in one transaction, once the workers idle); with
     ``analyze``, the table's statistics are taken in that transaction, as
-    autovacuum takes them within a minute of a big insert."""
+    autovacuum takes them within a minute of a big insert. ``after`` reads the
+    drained database before it goes."""
     queue_args = [arg for queue in queues for arg in ("--queue", queue)]
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(bench.database(f"scale_{tag}"))
@@ -146,6 +148,8 @@ def _drain(bench: Bench, tag: str, workers: int, queues: list[str], expected: in
                 conn.execute("ANALYZE belay_jobs")
         _wait_drained(conn, expected)
         row = conn.execute(SPAN).fetchone()
+        if after is not None:
+            after(conn)
     assert row is not None
     count, seconds = int(row[0]), float(row[1])
     bench.log(f"drain {tag}: {count} jobs in {seconds:.2f} s, {count / seconds:,.0f} jobs/s")
@@ -201,8 +205,8 @@ def _children(n_jobs: int, size: int) -> Fill:
 def _queue_figure(bench: Bench) -> Figure:
     n_jobs = bench.size(10_000, 100_000)
     many = [f"q{i}=10" for i in range(10)]
-    spread = _drain(bench, "queues10", 2, many, n_jobs, _plain(n_jobs, 10))
-    single = _drain(bench, "queues1", 2, ["default=100"], n_jobs, _plain(n_jobs))
+    spread = drain(bench, "queues10", 2, many, n_jobs, _plain(n_jobs, 10))
+    single = drain(bench, "queues1", 2, ["default=100"], n_jobs, _plain(n_jobs))
     return Figure(SECTION, "throughput, 10 queues (10 each), 2 worker processes", spread,
                   "jobs/s", baseline="throughput, 1 queue (100), 2 worker processes",
                   baseline_value=single, target="≥ 0.85x", met=spread >= 0.85 * single,
@@ -224,10 +228,10 @@ def _idle_queue_figures(bench: Bench) -> list[Figure]:
     for analyze in (False, True):
         table = "analyzed" if analyze else "never analyzed"
         tag = "a" if analyze else "n"
-        alone = _drain(bench, f"busy_alone_{tag}", 2, ["busy=50"], n_jobs, fill,
+        alone = drain(bench, f"busy_alone_{tag}", 2, ["busy=50"], n_jobs, fill,
                        analyze=analyze)
         for idle in (["small=4"], ["small=4", "a=4", "b=4", "c=4"]):
-            rate = _drain(bench, f"busy_idle{len(idle)}_{tag}", 2, ["busy=50", *idle],
+            rate = drain(bench, f"busy_idle{len(idle)}_{tag}", 2, ["busy=50", *idle],
                           n_jobs, fill, analyze=analyze)
             figures.append(Figure(
                 SECTION, f"throughput, busy queue (50) + {len(idle)} idle "
@@ -245,9 +249,9 @@ def _idle_queue_figures(bench: Bench) -> list[Figure]:
 def _ack_figures(bench: Bench) -> list[Figure]:
     n_jobs, size = bench.size(2_000, 20_000), 10
     queue = ["default=10"]
-    plain = _drain(bench, "ack_plain", 1, queue, n_jobs, _plain(n_jobs))
-    members = _drain(bench, "ack_workflow", 1, queue, n_jobs, _workflows(n_jobs, size))
-    children = _drain(bench, "ack_children", 1, queue, n_jobs, _children(n_jobs, size))
+    plain = drain(bench, "ack_plain", 1, queue, n_jobs, _plain(n_jobs))
+    members = drain(bench, "ack_workflow", 1, queue, n_jobs, _workflows(n_jobs, size))
+    children = drain(bench, "ack_children", 1, queue, n_jobs, _children(n_jobs, size))
     base = "plain jobs, 1 worker process"
     return [
         Figure(SECTION, f"workflow members ({size} per workflow, no deps), 1 worker process",
