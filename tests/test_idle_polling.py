@@ -116,8 +116,8 @@ def test_a_stuck_poller_leaves_idle_queues_to_their_own_backstop(
     client, sql_conn, monkeypatch
 ) -> None:
     """The poller's read hangs (a connection that never answers): once it
-    has not finished a round for half a backstop, an idle queue looks on its
-    own when its backstop runs out, and finds the job no one announced."""
+    has not finished a round for ``POLLER_STALE`` (5 s), an idle queue looks
+    on its own when its backstop runs out, and finds the job no one announced."""
     stuck, release = threading.Event(), threading.Event()
     probe = store.queues_with_work
 

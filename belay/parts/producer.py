@@ -40,11 +40,15 @@ log = logging.getLogger("belay.worker")
 HOT_WINDOW = 0.25
 
 #: An idle producer's own look, in poll intervals, should the poller not wake
-#: it: it claims then only if the poller has not read for half that long (a
-#: stuck or dead poller). While the poller reads, an idle queue costs nothing
-#: of its own: 100 idle queues on 4 processes sent 36 backstop claims a
-#: second when each looked on its own (issue 39).
+#: it: it claims then only if the poller has not read for half that long and
+#: for :data:`POLLER_STALE` (a stuck or dead poller). While the poller reads,
+#: an idle queue costs nothing of its own: 100 idle queues on 4 processes sent
+#: 40 backstop claims a second when each looked on its own (issue 39).
 IDLE_BACKSTOP = 20
+
+#: The least time without a finished round after which the poller counts as
+#: stuck (a loaded machine can hold a short poll interval's round up).
+POLLER_STALE = 5.0
 
 Connect = Callable[[], contextlib.AbstractContextManager[store.Conn]]
 
@@ -401,9 +405,10 @@ class Producers:
 
     def poller_reads(self) -> bool:
         """Whether the idle poller finished a round within half an idle
-        queue's backstop: it is alive and its reads get answers."""
-        return (self.poller.alive
-                and time.monotonic() - self.polled_at < self.poll_interval * IDLE_BACKSTOP / 2)
+        queue's backstop (and within :data:`POLLER_STALE`): it is alive and
+        its reads get answers."""
+        stale = max(self.poll_interval * IDLE_BACKSTOP / 2, POLLER_STALE)
+        return self.poller.alive and time.monotonic() - self.polled_at < stale
 
     def on_notify(self, message: dict[str, Any]) -> None:
         if message.get("t") == "p" and isinstance(message.get("q"), str):
