@@ -117,7 +117,11 @@ class Maintenance:
     def reconcile(self) -> int:
         """§8.4 backstop (race R2): wake parents whose children are all terminal
         but which still await ``$children``; returns how many."""
-        with self._connection() as conn, conn.transaction():
+        # One statement, on its own (the pool's connections autocommit): an
+        # idle node runs this every sweep_interval, and a BEGIN and COMMIT
+        # around it were two of its three statements. The poke follows the
+        # wake's commit.
+        with self._connection() as conn:
             woken = store.resettle_parents(conn, self._now())
             if woken:
                 self._poke(conn, [q for _, q in woken])
