@@ -255,6 +255,7 @@ class Worker(HookMethods, QueueMethods):
                     on_crash=self.supervisor.report,
                 )
                 self._listener.start()
+                self.producers.listening = self._listener.listening.is_set
             self.cron.start(on_crash=self.supervisor.report)
         log.info("belay worker %s started: queues %s", self.node_id,
                  {name: spec.to_opts() for name, spec in self.live_queues().items()})
@@ -301,6 +302,7 @@ class Worker(HookMethods, QueueMethods):
         for service in services:
             service.stop()
         if self._listener is not None:
+            self.producers.listening = lambda: False
             self._listener.stop()
             self._listener = None
         for service in services:
