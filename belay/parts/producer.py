@@ -156,8 +156,10 @@ class Producer:
                     p.idle.add(self)
             service.wait(wait)
             # An idle queue's backstop ran out: look only if the poller
-            # has not been reading (it would have woken this queue).
-            while idle and not self.poked and not service.stopping and p.poller_reads():
+            # has not been reading (it would have woken this queue). A chunk
+            # gathering here is due to run: the loop times it.
+            while (idle and not self.poked and not self.gather_until
+                   and not service.stopping and p.poller_reads()):
                 service.wait(wait)
             if idle:
                 with p.lock:
