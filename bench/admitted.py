@@ -27,8 +27,7 @@ the first ``started_at`` to the last ``finished_at``, from the rows.
 from __future__ import annotations
 
 import json
-import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -36,7 +35,7 @@ import psycopg
 import belay
 from belay import store
 from belay.queues import parse_spec
-from bench.core import Bench, Figure, percentile
+from bench.core import Bench, Figure, percentile, timed_claims
 from bench.scale import drain
 
 SECTION = "admitted"
@@ -105,20 +104,16 @@ def _claim_latencies(bench: Bench, n_jobs: int, keys: int) -> tuple[list[float],
             "FROM generate_series(1, %s)", (PARTITION["global_limit"],))
         conn.execute("VACUUM ANALYZE belay_jobs")
         timings: dict[str, list[float]] = {"q": [], "skew": []}
-        for queue, samples in timings.items():
+        for queue in timings:
             queue_spec = spec if queue == "q" else parse_spec(queue, PARTITION)
-            for index in range(WARM_CLAIMS + CLAIMS):
+
+            def claim(now: datetime, queue_spec: Any = queue_spec) -> list[Any]:
                 with conn.transaction(force_rollback=True):
-                    started = time.perf_counter()
-                    now = datetime.now(timezone.utc)
-                    jobs = store.claim_admitted(conn, queue_spec, TAKE, "bench", now,
+                    return store.claim_admitted(conn, queue_spec, TAKE, "bench", now,
                                                 now + timedelta(seconds=30))
-                    elapsed = time.perf_counter() - started
-                wanted = TAKE if queue == "q" else 2
-                if len(jobs) != wanted:
-                    raise RuntimeError(f"a claim of {queue} took {len(jobs)}, not {wanted}")
-                if index >= WARM_CLAIMS:
-                    samples.append(elapsed * 1000)
+
+            timings[queue] = timed_claims(claim, TAKE if queue == "q" else 2, CLAIMS,
+                                          WARM_CLAIMS)
     bench.log(f"partitioned claim: p99 {percentile(timings['q'], 99):.2f} ms; skewed "
               f"p99 {percentile(timings['skew'], 99):.2f} ms")
     return timings["q"], timings["skew"]

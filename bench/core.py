@@ -17,8 +17,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,22 @@ def arguments(prog: str, doc: str | None, quick: str, *, out: str) -> argparse.A
                         help="PostgreSQL server (default: a private embedded one)")
     parser.add_argument("--out", help=out)
     return parser
+
+
+def timed_claims(claim: Callable[[datetime], Sequence[Any]], wanted: int, count: int,
+                 warm: int) -> list[float]:
+    """Milliseconds of each of ``count`` calls of ``claim(now)`` after ``warm``
+    untimed ones; each must return ``wanted`` jobs."""
+    timings = []
+    for index in range(warm + count):
+        started = time.perf_counter()
+        jobs = claim(datetime.now(timezone.utc))
+        elapsed = time.perf_counter() - started
+        if len(jobs) != wanted:
+            raise RuntimeError(f"a claim took {len(jobs)} jobs, not {wanted}")
+        if index >= warm:
+            timings.append(elapsed * 1000)
+    return timings
 
 
 def percentile(values: Sequence[float], p: float) -> float:

@@ -14,7 +14,7 @@ import psycopg
 import belay
 from belay import names, store
 from belay.sql import QUERIES
-from bench.core import Bench, Figure, percentile, processes
+from bench.core import Bench, Figure, percentile, processes, timed_claims
 
 SECTION = "scale"
 CLAIMS = 200
@@ -56,16 +56,10 @@ def _claim_latencies(bench: Bench, ready: int) -> tuple[list[float], str]:
         conn.execute("VACUUM ANALYZE belay_jobs")
         _checkpoint(conn)
         plan = _plan(conn)
-        timings = []
-        for index in range(WARM_CLAIMS + CLAIMS):
-            started = time.perf_counter()
-            now = datetime.now(timezone.utc)
-            jobs = store.claim(conn, "default", TAKE, NODE, now, now + timedelta(seconds=30))
-            elapsed = time.perf_counter() - started
-            if len(jobs) != TAKE:
-                raise RuntimeError(f"claim took {len(jobs)} jobs, not {TAKE}")
-            if index >= WARM_CLAIMS:
-                timings.append(elapsed * 1000)
+        timings = timed_claims(
+            lambda now: store.claim(conn, "default", TAKE, NODE, now,
+                                    now + timedelta(seconds=30)),
+            TAKE, CLAIMS, WARM_CLAIMS)
     bench.log(f"claim at {_label(ready)} ready: p50 {percentile(timings, 50):.2f} ms, "
               f"p99 {percentile(timings, 99):.2f} ms")
     return timings, plan

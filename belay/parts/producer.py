@@ -328,7 +328,7 @@ class Producers:
                 return 0
             for q, take in takes.items():
                 q.inflight += take
-        jobs: list[Job] = []
+        jobs: list[Job] | None = None
         try:
             with self.connection() as conn:
                 at = self.now()
@@ -337,13 +337,14 @@ class Producers:
                     at + timedelta(seconds=self.lease_ttl), kinds=kinds)
         finally:
             by_queue: dict[str, list[Job]] = {}
-            for job in jobs:
+            for job in jobs or ():
                 by_queue.setdefault(job.queue, []).append(job)
             with self.lock:
                 for q, take in takes.items():
                     got = len(by_queue.get(q.name, ()))
                     q.inflight -= take - got
-                    q.drained = got < take
+                    if jobs is not None:  # a failed claim tells nothing of the backlog
+                        q.drained = got < take
         for q in takes:
             mine = by_queue.get(q.name)
             if mine:
