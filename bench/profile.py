@@ -65,13 +65,13 @@ result notification; one job at a time, no load): its round trip goes on to
 the ack and back, so it is a generous floor for insert → start. Targets at
 70 % load: p50 ≤ 1.5x the floor's p50, p99 ≤ 15 ms.
 
-TODO: PgQueuer and Oban under this profile are not measured yet.
+PgQueuer and Oban for Python are measured under the same profile in the same
+run, as close as their features allow (``bench/profile_peers.py`` says how).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import multiprocessing
@@ -86,18 +86,22 @@ from typing import Any
 import psycopg
 
 import belay
-from bench.core import Bench, Figure, Proc, cpu_seconds, percentile, processes
+from bench import profile_meter as meter
+from bench import profile_mix as mix
+from bench import profile_peers
+from bench.core import Bench, Figure, Proc, percentile, processes
 from bench.latency import _raw_samples
+from bench.profile_meter import XACTS, Meter, PruneWatch, cores, one, wait
+from bench.profile_mix import TENANTS, WEIGHTS, Poisson, job
 from bench.raw import raw_ceiling_jobs_per_s
 
 SECTION = "profile"
 PROCS = (2, 4)
-TENANTS = 500
-#: Queue → local limit, and each queue's share of the jobs.
-WEIGHTS = {"q50": 50, "q20": 20, "q10": 10, "q4": 4, "q2": 2}
-#: (kind, share, sleep range in ms)
-MIX = (("noop", 0.85, (0, 0)), ("sleep", 0.14, (1, 10)), ("sleep", 0.01, (100, 100)))
 LOAD = 0.7
+#: The capacity drain's backlog: the same jobs for belay and the peers.
+SEED = 20260101
+#: Set to skip the peers (their figures are then left out, not NaN).
+SKIP_PEERS = "BELAY_BENCH_PROFILE_NO_PEERS"
 #: What q10's rate sustains, over q10's share of the offered rate.
 RATE_HEADROOM = 1.2
 #: The warm-up: until the sweepers' first prune batch (a worker's first pass
@@ -139,18 +143,9 @@ FROM (
   FROM generate_series(1, %(rows)s) AS g
 ) AS t
 """
-SECONDARY = """
-SELECT indexname, indexdef FROM pg_indexes
-WHERE tablename = 'belay_jobs' AND indexname <> 'belay_jobs_pkey'
-"""
 EXPIRED = """
 SELECT count(*) FROM belay_jobs WHERE id <= %s AND finished_at < now()
   - CASE state WHEN 'succeeded' THEN %s ELSE %s END * interval '1 second'
-"""
-DELETED = "SELECT n_tup_del FROM pg_stat_user_tables WHERE relname = 'belay_jobs'"
-#: The database's transactions: the workers', the producers', the bench's few.
-XACTS = """
-SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()
 """
 #: The oldest pre-filled row is gone: a sweeper's first prune batch took it.
 GONE = "SELECT NOT EXISTS (SELECT FROM belay_jobs WHERE id = %s)"
@@ -175,63 +170,20 @@ def describe(rate: int, prefill: int) -> str:
             f"ms; {prefill:,} finished rows pre-filled, ~96 % past the default retention")
 
 
-def job(rng: random.Random) -> dict[str, Any]:
-    """One job of the mix: kind, input (tenant, sleep) and queue."""
-    queue = rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
-    pick, cumulative = rng.random(), 0.0
-    kind, (low, high) = MIX[-1][0], MIX[-1][2]
-    for name, share, span in MIX:
-        cumulative += share
-        if pick < cumulative:
-            kind, (low, high) = name, span
-            break
-    payload: dict[str, Any] = {"tenant": f"t{rng.randrange(TENANTS)}"}
-    if kind == "sleep":
-        payload["ms"] = rng.randint(low, high)
-    return {"kind": kind, "input": payload, "queue": queue}
-
-
 # -- The database and the workers ---------------------------------------------------------
-
-
-def _one(conn: psycopg.Connection[Any], query: str, params: Any = None) -> Any:
-    row = conn.execute(query, params).fetchone()
-    assert row is not None
-    return row[0]
 
 
 def fill(bench: Bench, conn: psycopg.Connection[Any], rows: int) -> tuple[int, int]:
     """Pre-fill ``rows`` finished jobs; returns their lowest and highest ids
     (the phase's own jobs come after)."""
-    started = time.monotonic()
-    indexes = conn.execute(SECONDARY).fetchall()
-    conn.execute("SET maintenance_work_mem = '256MB'")
-    for name, _ in indexes:
-        conn.execute(f'DROP INDEX "{name}"')
-    conn.execute(FILL, {"rows": rows, "days": DAYS, "tenants": TENANTS})
-    for _, definition in indexes:
-        conn.execute(definition)
-    conn.execute("RESET maintenance_work_mem")
-    conn.execute("VACUUM ANALYZE belay_jobs")
-    with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
-        conn.execute("CHECKPOINT")
+    meter.fill(conn, "belay_jobs", FILL, {"rows": rows, "days": DAYS, "tenants": TENANTS},
+               bench.log)
     low, high = conn.execute("SELECT min(id), max(id) FROM belay_jobs").fetchone() or (0, 0)
-    bench.log(f"profile: {rows:,} finished rows filled in {time.monotonic() - started:.1f} s")
     return int(low), int(high)
 
 
 def _left(conn: psycopg.Connection[Any], top: int) -> int:
-    return int(_one(conn, "SELECT count(*) FROM belay_jobs WHERE id <= %s", (top,)))
-
-
-def _wait(conn: psycopg.Connection[Any], query: str, params: Any, timeout: float) -> bool:
-    """Poll ``query`` until it is true; False if ``timeout`` passed first."""
-    deadline = time.monotonic() + timeout
-    while not _one(conn, query, params):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return int(one(conn, "SELECT count(*) FROM belay_jobs WHERE id <= %s", (top,)))
 
 
 @contextlib.contextmanager
@@ -243,110 +195,31 @@ def workers(url: str, count: int, rate: int) -> Iterator[list[Proc]]:
         yield nodes
 
 
-# -- Where the CPU goes, and the pruning -----------------------------------------------------
-
-
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, user + system CPU seconds) of a live process (Linux /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class Meter:
-    """CPU seconds so far of the workers, the producers, the server (the
-    postmaster and its children, when it runs on this machine) and the whole
-    machine (/proc/stat, every core)."""
-
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        backend = _stat(int(_one(conn, "SELECT pg_backend_pid()")))
-        self.postmaster: int | None = None
-        if backend is not None:
-            with contextlib.suppress(OSError), open(f"/proc/{backend[0]}/cmdline", "rb") as cmd:
-                if b"postgres" in cmd.read():
-                    self.postmaster = backend[0]
-
-    def read(self, nodes: list[Proc], producers: list[int]) -> dict[str, float]:
-        out = {"workers": sum(cpu_seconds(node.pid) or 0.0 for node in nodes),
-               "producers": sum(cpu_seconds(pid) or 0.0 for pid in producers)}
-        if self.postmaster is not None:
-            found = [(int(e.name), _stat(int(e.name))) for e in os.scandir("/proc")
-                     if e.name.isdigit()]
-            out["server"] = sum(s[1] for pid, s in found if s is not None
-                                and self.postmaster in (pid, s[0]))
-        with contextlib.suppress(OSError), open("/proc/stat") as stat:
-            ticks = [int(v) for v in stat.readline().split()[1:]]
-            out["machine"] = (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-        return out
-
-
-def cores(before: dict[str, float], after: dict[str, float], seconds: float
-          ) -> dict[str, float]:
-    """Cores busy over a window, by whom; ``other``: the rest of the machine."""
-    used = {key: round((after[key] - before[key]) / seconds, 2) for key in after}
-    if "machine" in used:
-        used["other"] = round(used["machine"] - sum(
-            v for k, v in used.items() if k != "machine"), 2)
-    return used
-
-
-class PruneWatch:
-    """``n_tup_del`` of belay_jobs, sampled once a second on a connection of
-    its own until ``stop()`` (only retention deletes jobs here)."""
-
-    def __init__(self, url: str) -> None:
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(url,), name="prune-watch")
-        self._thread.start()
-
-    def _run(self, url: str) -> None:
-        with psycopg.connect(url, autocommit=True) as conn:
-            while True:
-                self.samples.append((time.time(), int(_one(conn, DELETED))))
-                if self._stop.wait(1.0):
-                    return
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def active(self, opened: float, closed: float) -> float:
-        """Seconds of [opened, closed) in which rows were deleted (±1 s: the
-        server flushes the counter at most once a second)."""
-        return sum(max(0.0, min(t1, closed) - max(t0, opened))
-                   for (t0, n0), (t1, n1) in itertools.pairwise(self.samples) if n1 > n0)
-
-
 # -- Capacity: a closed-loop drain ------------------------------------------------------
 
 
 def capacity(bench: Bench, procs: int, backlog: int, prefill: int) -> dict[str, Any]:
     """Jobs/s of ``procs`` workers draining ``backlog`` mixed jobs, with what it cost."""
-    rng = random.Random(20260101 + procs)
-    specs = [job(rng) for _ in range(backlog)]
+    specs = mix.backlog(backlog, SEED + procs)
     with bench.database("profile_cap") as url, psycopg.connect(url, autocommit=True) as conn:
         first, top = fill(bench, conn, prefill)
-        meter = Meter(conn)
+        gauge = Meter(conn)
         with workers(url, procs, backlog) as nodes, belay.Belay(url, max_pool_size=1) as client:
             # In once a sweeper has begun (its first batch takes the oldest row).
-            if not _wait(conn, GONE, (first,), MAX_WARM):
+            if not wait(conn, GONE, (first,), MAX_WARM):
                 bench.log(f"profile: no prune pass {MAX_WARM:g} s after the workers started")
-            left, xacts = _left(conn, top), int(_one(conn, XACTS))
-            before, started = meter.read(nodes, []), time.monotonic()
+            left, xacts = _left(conn, top), int(one(conn, XACTS))
+            before, started = gauge.read(nodes, []), time.monotonic()
             with conn.transaction():
                 for start in range(0, backlog, 5_000):
                     client.enqueue_many(specs[start:start + 5_000], conn=conn)
-            if not _wait(conn, "SELECT count(*) = %s FROM belay_jobs WHERE id > %s AND "
+            if not wait(conn, "SELECT count(*) = %s FROM belay_jobs WHERE id > %s AND "
                                "state = 'succeeded'", (backlog, top), 600):
                 raise TimeoutError(f"the capacity drain did not finish in 600 s ({procs} procs)")
-            elapsed, after = time.monotonic() - started, meter.read(nodes, [])
+            elapsed, after = time.monotonic() - started, gauge.read(nodes, [])
             pruned = left - _left(conn, top)
             time.sleep(1.0)  # the server flushes its counters at most once a second
-            xacts = int(_one(conn, XACTS)) - xacts
+            xacts = int(one(conn, XACTS)) - xacts
             count, span = conn.execute(
                 "SELECT count(*), extract(epoch FROM max(finished_at) - min(started_at))::float8 "
                 "FROM belay_jobs WHERE id > %s", (top,)).fetchone() or (0, 0.0)
@@ -367,14 +240,14 @@ def _producer_thread(url: str, rate: float, seed: int, start: Any, stop: Any,
     ``stop`` is set: a late send goes at once; what is due and unsent at the
     stop is counted. Keeps each enqueue's own time."""
     rng = random.Random(seed)
-    sent = errors = unsent = 0
+    sent = errors = 0
     took: list[float] = []
     with belay.Belay(url, min_pool_size=1, max_pool_size=1) as client:
         with client.connection() as conn:  # connected before the clock starts
             conn.execute("SELECT 1")
         start.wait(timeout=120)
-        due = time.monotonic() + rng.expovariate(rate)
-        while not stop.wait(max(0.0, due - time.monotonic())):
+        stream = Poisson(rate, rng, time.monotonic())
+        while not stop.wait(max(0.0, stream.due - time.monotonic())):
             spec, called = job(rng), time.monotonic()
             try:
                 client.enqueue(spec["kind"], spec["input"], queue=spec["queue"])
@@ -382,10 +255,8 @@ def _producer_thread(url: str, rate: float, seed: int, start: Any, stop: Any,
             except psycopg.Error:
                 errors += 1
             took.append(time.monotonic() - called)
-            due += rng.expovariate(rate)
-        stopped = time.monotonic()
-        while due < stopped:
-            unsent, due = unsent + 1, due + rng.expovariate(rate)
+            stream.advance()
+        unsent = stream.unsent(time.monotonic())
     out.append((sent, errors, unsent, took))
 
 
@@ -442,7 +313,7 @@ def _window(conn: psycopg.Connection[Any], top: int, opened: float, closed: floa
     started, or SETTLE s passed), of those finished in it, and of q10's rate."""
     window = (top, datetime.fromtimestamp(opened, timezone.utc),
               datetime.fromtimestamp(closed, timezone.utc))
-    _wait(conn, f"SELECT count(*) = 0 {WINDOW_JOBS} AND state = 'ready'", window, SETTLE)
+    wait(conn, f"SELECT count(*) = 0 {WINDOW_JOBS} AND state = 'ready'", window, SETTLE)
     by_queue: dict[str, list[float]] = {}
     for queue, ms in conn.execute(
             "SELECT queue, extract(epoch FROM started_at - inserted_at)::float8 * 1000 "
@@ -459,9 +330,9 @@ def _window(conn: psycopg.Connection[Any], top: int, opened: float, closed: floa
     return {
         "inserted": len(latencies),
         **_percentiles(latencies or [math.nan]),
-        "unstarted": int(_one(conn, f"SELECT count(*) {WINDOW_JOBS} AND started_at IS NULL",
+        "unstarted": int(one(conn, f"SELECT count(*) {WINDOW_JOBS} AND started_at IS NULL",
                               window)),
-        "finished": int(_one(conn, "SELECT count(*) FROM belay_jobs WHERE id > %s AND "
+        "finished": int(one(conn, "SELECT count(*) FROM belay_jobs WHERE id > %s AND "
                                    "finished_at >= %s AND finished_at < %s", window)),
         "p50_ms_by_queue": {q: round(percentile(v, 50), 2) for q, v in sorted(by_queue.items())},
         "p99_ms_by_queue": {q: round(percentile(v, 99), 2) for q, v in sorted(by_queue.items())},
@@ -477,27 +348,27 @@ def open_loop(bench: Bench, procs: int, offered: float, seconds: float,
     allowed = math.ceil(2 * RATE_HEADROOM * offered * WEIGHTS["q10"] / sum(WEIGHTS.values()))
     with bench.database("profile_open") as url, psycopg.connect(url, autocommit=True) as conn:
         first, top = fill(bench, conn, prefill)
-        meter, watch = Meter(conn), PruneWatch(url)
+        gauge, watch = Meter(conn), PruneWatch(url, "belay_jobs")
         try:
             with workers(url, procs, allowed) as nodes, \
                     producers(url, offered, procs) as (pids, results, stop):
                 began = time.time()
-                if not _wait(conn, GONE, (first,), MAX_WARM):
+                if not wait(conn, GONE, (first,), MAX_WARM):
                     bench.log(f"profile: no prune pass {MAX_WARM:g} s into the open loop")
                 opened = max(time.time(), began + MIN_WARM)
                 closed = opened + seconds
                 time.sleep(max(0.0, opened - time.time()))
-                before, left, xacts = meter.read(nodes, pids), _left(conn, top), \
-                    int(_one(conn, XACTS))
+                before, left, xacts = gauge.read(nodes, pids), _left(conn, top), \
+                    int(one(conn, XACTS))
                 time.sleep(max(0.0, closed - time.time()))
-                after, elapsed = meter.read(nodes, pids), time.time() - opened
+                after, elapsed = gauge.read(nodes, pids), time.time() - opened
                 stop.set()
-                xacts, pruned = int(_one(conn, XACTS)) - xacts, left - _left(conn, top)
+                xacts, pruned = int(one(conn, XACTS)) - xacts, left - _left(conn, top)
                 reports = [results.get(timeout=120) for _ in range(PRODUCERS)]
                 rows = _window(conn, top, opened, closed, allowed)
         finally:
             watch.stop()
-        expired = int(_one(conn, EXPIRED, (top, *KEEP)))
+        expired = int(one(conn, EXPIRED, (top, *KEEP)))
     if rows["unstarted"]:
         bench.log(f"profile: {rows['unstarted']} jobs of the window had not started {SETTLE:g} "
                   "s after it closed; their latency is missing from the percentiles")
@@ -590,4 +461,9 @@ def run(bench: Bench) -> list[Figure]:
                         f"per job {loaded['xacts_per_job']:g} (drain: "
                         f"{drained['xacts_per_job']:g})"),
         ]
-    return figures
+    if os.environ.get(SKIP_PEERS):
+        bench.log(f"profile: peers skipped (${SKIP_PEERS})")
+        return figures
+    return figures + profile_peers.run(
+        bench, PROCS, (ceiling_name, ceiling), (floor50, floor99), backlog, seconds,
+        prefill, LOAD, seed=lambda procs: SEED + procs)
